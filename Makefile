@@ -1,0 +1,21 @@
+# Two entry points for a fresh clone (see README): `make demo` and `make test`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(BIN)/llumnix demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .cache

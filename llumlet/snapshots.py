@@ -1,0 +1,64 @@
+"""The local channel between an engine and its llumlet: `EngineSnapshot` messages (proto/llumnix/v1/
+engine.proto) over a ZeroMQ PUB/SUB socket, normally `ipc://` on a path both containers share.
+
+The subscriber keeps only the newest message (ZMQ_CONFLATE): a snapshot supersedes every older one,
+so a slow reader never falls behind and the publisher never blocks an engine step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import zmq
+import zmq.asyncio
+
+from llumnix.v1.engine_pb2 import EngineSnapshot
+
+SNAPSHOT_SCHEMA_VERSION = 1
+SNAPSHOT_ADDR_ENV = "LLUMNIX_SNAPSHOT_ADDR"
+"""Environment variable naming the socket address (e.g. ipc:///tmp/llumnix-engine-0.sock)."""
+
+
+class SnapshotPublisher:
+    """Engine side. `publish` never blocks: with no subscriber, or a full queue, the message drops."""
+
+    def __init__(self, addr: str) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, 2)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(addr)
+        self.addr = addr
+
+    def publish(self, snapshot: EngineSnapshot) -> None:
+        with contextlib.suppress(zmq.Again):
+            self._sock.send(snapshot.SerializeToString(), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SnapshotSubscriber:
+    """llumlet side (asyncio). `receive` returns the newest snapshot, or None after `timeout_s`."""
+
+    def __init__(self, addr: str) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.CONFLATE, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(addr)
+        self.addr = addr
+
+    async def receive(self, timeout_s: float) -> EngineSnapshot | None:
+        if not await self._sock.poll(timeout=int(timeout_s * 1000)):
+            return None
+        snapshot = EngineSnapshot.FromString(await self._sock.recv())
+        if snapshot.schema_version != SNAPSHOT_SCHEMA_VERSION:
+            raise ValueError(
+                f"engine snapshot schema {snapshot.schema_version} is not {SNAPSHOT_SCHEMA_VERSION}"
+            )
+        return snapshot
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,166 @@
+"""The load model: virtual usage and freeness of an instance, from a snapshot of its engine.
+
+One definition used by the router, the operator's control loop and the simulator.
+
+Units: memory is counted in KV-cache *blocks*. Freeness is blocks of headroom per batched request,
+F = (total blocks - sum of virtual usage) / batch size; multiplied by the block size it is the number
+of decode steps the instance can still run with its current batch before it runs out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+DEFAULT_HIGH_PRIORITY_TARGET_TOKENS = 1600
+"""Load (tokens) an instance holding high-priority requests is kept near (paper §6.4)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One request as the engine holds it."""
+
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int = 0
+    blocks: int = 0
+    """Physical KV blocks the request holds now (0 while it waits)."""
+    high_priority: bool = False
+    arrival_time: float = 0.0
+    """When the instance admitted it (seconds, any monotonic clock); orders 'last-come'."""
+    migrating: bool = False
+    """True while the request is being migrated out (it must not be picked again)."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """A snapshot of one instance's engine state.
+
+    `running` holds requests with KV blocks (scheduled); `waiting` holds queued requests in queue
+    order (the first one is the head of line).
+    """
+
+    instance_id: str
+    total_blocks: int
+    free_blocks: int
+    block_size: int = 16
+    running: tuple[RequestLoad, ...] = ()
+    waiting: tuple[RequestLoad, ...] = ()
+    draining: bool = False
+    """The instance is being emptied (scale-down, maintenance, termination)."""
+    preemptions: int = 0
+    """Requests preempted since the previous snapshot; an instance that preempts is overloaded."""
+    migrating_out: int = 0
+    migrating_in: int = 0
+    reserved_blocks: int = 0
+    """Blocks reserved for migrations coming in (counted as used)."""
+    timestamp: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def has_high_priority(self) -> bool:
+        return any(r.high_priority for r in self.running) or any(r.high_priority for r in self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadModelConfig:
+    high_priority_target_tokens: int = DEFAULT_HIGH_PRIORITY_TARGET_TOKENS
+
+
+DEFAULT_LOAD_MODEL = LoadModelConfig()
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    """KV blocks needed to hold `tokens` tokens."""
+    return -(-tokens // block_size) if tokens > 0 else 0
+
+
+def head_of_line_demand(load: InstanceLoad) -> int:
+    """Blocks the first queued request needs before it can be scheduled."""
+    if not load.waiting:
+        return 0
+    return blocks_for_tokens(load.waiting[0].total_tokens, load.block_size)
+
+
+def high_priority_headroom(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -> int:
+    """Blocks reserved on an instance that holds high-priority requests.
+
+    The headroom is what lies above the high-priority load target, so an instance with
+    high-priority work looks nearly full: normal requests are dispatched and migrated elsewhere,
+    and the high-priority requests decode in a lightly loaded batch.
+    """
+    if not load.has_high_priority:
+        return 0
+    target = blocks_for_tokens(config.high_priority_target_tokens, load.block_size)
+    return max(0, load.total_blocks - target)
+
+
+def virtual_usage(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -> float:
+    """Total virtual usage of an instance in blocks; infinite while draining."""
+    if load.draining:
+        return math.inf
+    physical = load.used_blocks + load.reserved_blocks
+    return physical + head_of_line_demand(load) + high_priority_headroom(load, config)
+
+
+def batch_size(load: InstanceLoad) -> int:
+    """Running requests, plus one if anything waits (the head of line joins the batch next)."""
+    return len(load.running) + (1 if load.waiting else 0)
+
+
+def freeness(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -> float:
+    """Blocks of headroom per batched request; -inf while draining. An idle instance reports its
+    free blocks (batch size counts as one)."""
+    usage = virtual_usage(load, config)
+    if math.isinf(usage):
+        return -math.inf
+    return (load.total_blocks - usage) / max(1, batch_size(load))
+
+
+def memory_load(load: InstanceLoad) -> float:
+    """Fraction of memory in use or demanded by every queued request (INFaaS++'s load)."""
+    if load.draining:
+        return math.inf
+    queued = sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in load.waiting)
+    return (load.used_blocks + load.reserved_blocks + queued) / max(1, load.total_blocks)
+
+
+def aggregate_freeness(
+    loads: Iterable[InstanceLoad],
+    config: LoadModelConfig = DEFAULT_LOAD_MODEL,
+    exclude_capacity_of: str | None = None,
+) -> float:
+    """Freeness of the cluster seen as one instance: draining instances count neither capacity nor
+    batch (their requests are leaving); `exclude_capacity_of` removes one instance's capacity
+    but keeps its requests (the cluster after that instance is drained)."""
+    capacity = 0.0
+    usage = 0.0
+    batch = 0
+    for load in loads:
+        if load.draining:
+            continue
+        if load.instance_id != exclude_capacity_of:
+            capacity += load.total_blocks
+        usage += virtual_usage(load, config)
+        batch += batch_size(load)
+    return (capacity - usage) / max(1, batch)
+
+
+def with_pending(load: InstanceLoad, pending: Sequence[RequestLoad]) -> InstanceLoad:
+    """The snapshot as it will look once requests dispatched since it was taken arrive: they join
+    the waiting queue. The router uses this so a burst does not herd onto one instance."""
+    if not pending:
+        return load
+    return replace(load, waiting=load.waiting + tuple(pending))

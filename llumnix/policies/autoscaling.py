@@ -1,0 +1,88 @@
+"""Autoscaling policy: the cluster's aggregate freeness against two bounds.
+
+- Below `scale_up_below`: start one instance (up to `max_instances`; instances still starting
+  count, so one slow start-up does not trigger a stampede).
+- Above `scale_down_above` even with one instance's capacity removed: pick the freest instance
+  (ties: fewest requests), mark it draining; migration empties it; once empty it is released.
+- A drain is cancelled (the instance serves again) if load rises so that the cluster without it
+  would need to scale up.
+
+`decide` is pure: the caller keeps the instance list and applies the returned action.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, aggregate_freeness, freeness
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingConfig:
+    scale_up_below: float = 10.0
+    scale_down_above: float = 60.0
+    min_instances: int = 1
+    max_instances: int = 16
+    interval_s: float = 10.0
+    startup_delay_s: float = 30.0
+    """Time from starting an instance until it serves (the simulator's model; real backends report
+    readiness themselves)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_instances <= self.max_instances:
+            raise ValueError("need 0 <= min_instances <= max_instances")
+        if self.scale_up_below >= self.scale_down_above:
+            raise ValueError("scale_up_below must be lower than scale_down_above")
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingAction:
+    kind: str
+    """'scale-up', 'drain', 'cancel-drain', 'release' or 'none'."""
+    instance_id: str | None = None
+    reason: str = ""
+    aggregate_freeness: float = 0.0
+
+
+def drain_candidate(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFAULT_LOAD_MODEL) -> str | None:
+    """The instance cheapest to remove: the freest, then the one with fewest requests."""
+    serving = [load for load in loads if not load.draining]
+    if not serving:
+        return None
+    best = max(serving, key=lambda load: (freeness(load, model), -load.num_requests, load.instance_id))
+    return best.instance_id
+
+
+def decide(
+    loads: Sequence[InstanceLoad],
+    starting: int,
+    config: AutoscalingConfig = AutoscalingConfig(),
+    model: LoadModelConfig = DEFAULT_LOAD_MODEL,
+) -> ScalingAction:
+    """One autoscaling step over the serving and draining instances plus `starting` ones."""
+    serving = [load for load in loads if not load.draining]
+    draining = sorted(load.instance_id for load in loads if load.draining)
+    empty = sorted(load.instance_id for load in loads if load.draining and load.num_requests == 0)
+    agg = aggregate_freeness(serving, model)
+
+    if empty:
+        return ScalingAction("release", empty[0], "drained instance is empty", agg)
+    if len(serving) + starting < config.min_instances:
+        return ScalingAction("scale-up", None, f"fewer than min_instances={config.min_instances}", agg)
+    if agg < config.scale_up_below:
+        if draining:
+            return ScalingAction("cancel-drain", draining[0], f"aggregate freeness {agg:.1f} fell again", agg)
+        if starting == 0 and len(serving) < config.max_instances:
+            return ScalingAction(
+                "scale-up", None, f"aggregate freeness {agg:.1f} < {config.scale_up_below}", agg
+            )
+        return ScalingAction("none", None, "scale-up pending or at max_instances", agg)
+    if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
+        victim = drain_candidate(serving, model)
+        assert victim is not None
+        without = aggregate_freeness(serving, model, exclude_capacity_of=victim)
+        if without > config.scale_down_above:
+            reason = f"aggregate freeness {without:.1f} without it > {config.scale_down_above}"
+            return ScalingAction("drain", victim, reason, agg)
+    return ScalingAction("none", None, "", agg)

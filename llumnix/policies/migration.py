@@ -1,0 +1,106 @@
+"""Migration policy: which instances exchange requests, and which request moves.
+
+Pairing runs every migration interval over all snapshots: sources are instances whose freeness is
+below the threshold (draining instances have -inf freeness, instances that preempted are overloaded
+whatever their freeness), most loaded first; destinations are the freest instances at or above the
+threshold. The source's llumlet then picks the request with `select_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, RequestLoad, freeness
+
+SELECT_POLICIES = ("last-come", "shortest", "longest")
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationConfig:
+    freeness_threshold: float = 3.0
+    """Sources are below it; destinations at or above it (blocks per batched request)."""
+    select: str = "last-come"
+    max_concurrent_per_instance: int = 1
+    """Migrations an instance takes part in at once (in and out together)."""
+
+    def __post_init__(self) -> None:
+        if self.select not in SELECT_POLICIES:
+            raise ValueError(f"unknown request selection {self.select!r}; choose one of {SELECT_POLICIES}")
+        if self.max_concurrent_per_instance < 1:
+            raise ValueError("max_concurrent_per_instance must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationPair:
+    source: str
+    destination: str
+
+
+def migratable(load: InstanceLoad) -> list[RequestLoad]:
+    """Running requests that may move now.
+
+    High-priority requests are not moved off to make room for normal ones: while an instance holds
+    normal requests, only those are candidates (which also moves normal work away from high-priority
+    requests). Only when nothing but high-priority requests remain may those move.
+    """
+    running = [r for r in load.running if not r.migrating and r.blocks > 0]
+    normal = [r for r in running if not r.high_priority]
+    return normal or running
+
+
+def is_source(load: InstanceLoad, config: MigrationConfig, model: LoadModelConfig) -> bool:
+    return load.draining or load.preemptions > 0 or freeness(load, model) < config.freeness_threshold
+
+
+def _busy(load: InstanceLoad, config: MigrationConfig) -> bool:
+    return load.migrating_out + load.migrating_in >= config.max_concurrent_per_instance
+
+
+def pair_migrations(
+    loads: Sequence[InstanceLoad],
+    config: MigrationConfig = MigrationConfig(),
+    model: LoadModelConfig = DEFAULT_LOAD_MODEL,
+) -> list[MigrationPair]:
+    """Pair overloaded instances (most loaded first) with the freest ones, one pair each."""
+    sources: list[tuple[float, str]] = []
+    destinations: list[tuple[float, str]] = []
+    for load in loads:
+        if _busy(load, config):
+            continue
+        f = freeness(load, model)
+        if is_source(load, config, model):
+            if migratable(load):
+                sources.append((f, load.instance_id))
+        elif not load.draining and f >= config.freeness_threshold:
+            destinations.append((f, load.instance_id))
+    sources.sort()
+    destinations.sort(key=lambda fd: (-fd[0], fd[1]))
+    return [
+        MigrationPair(src, dst)
+        for (src_f, src), (dst_f, dst) in zip(sources, destinations, strict=False)
+        if dst_f > src_f
+    ]
+
+
+def select_request(load: InstanceLoad, policy: str = "last-come") -> RequestLoad | None:
+    """The request the source moves out: the latest admitted, the shortest or the longest
+    (by tokens). Short requests move fastest; the latest has the least progress at stake."""
+    candidates = migratable(load)
+    if not candidates:
+        return None
+    if policy == "last-come":
+        return max(candidates, key=lambda r: (r.arrival_time, r.request_id))
+    if policy == "shortest":
+        return min(candidates, key=lambda r: (r.total_tokens, r.request_id))
+    if policy == "longest":
+        return max(candidates, key=lambda r: (r.total_tokens, r.request_id))
+    raise ValueError(f"unknown request selection {policy!r}; choose one of {SELECT_POLICIES}")
+
+
+def fits(request: RequestLoad, destination: InstanceLoad) -> bool:
+    """Destination-side admission check of the migration handshake: a serving instance with room
+    for the request's blocks plus one block of growth (it keeps decoding while it moves)."""
+    if destination.draining:
+        return False
+    return destination.free_blocks - destination.reserved_blocks >= request.blocks + 1

@@ -1,0 +1,1 @@
+"""The Kubernetes operator (import name `llumnix_operator`)."""
