@@ -1,0 +1,84 @@
+"""Autoscaling decisions: hand-computed aggregate freeness against the bounds."""
+
+import pytest
+
+from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.policies.autoscaling import AutoscalingConfig, decide, drain_candidate
+
+CFG = AutoscalingConfig(scale_up_below=10, scale_down_above=60, min_instances=1, max_instances=4)
+
+
+def inst(iid: str, used: int = 0, n: int = 0, total: int = 100, draining: bool = False) -> InstanceLoad:
+    running = tuple(RequestLoad(f"{iid}-{i}", 16, blocks=used // max(1, n)) for i in range(n))
+    return InstanceLoad(iid, total, total - used, 16, running=running, draining=draining)
+
+
+def test_empty_cluster_scales_up_to_min() -> None:
+    action = decide([], starting=0, config=CFG)
+    assert action.kind == "scale-up"
+    assert decide([], starting=1, config=CFG).kind == "none"
+
+
+def test_scale_up_below_lower_bound() -> None:
+    # 2 instances, 90 used of 100 each, 5 requests each: (200 - 180) / 10 = 2 < 10.
+    loads = [inst("a", 90, 5), inst("b", 90, 5)]
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "scale-up" and action.aggregate_freeness == pytest.approx(2.0)
+    assert decide(loads, starting=1, config=CFG).kind == "none"  # one start-up at a time
+    full = [inst(x, 90, 5) for x in "abcd"]
+    assert decide(full, starting=0, config=CFG).kind == "none"  # at max_instances
+
+
+def test_between_bounds_nothing_happens() -> None:
+    # (200 - 100) / 4 = 25: between 10 and 60; removing one: (100 - 100) / 4 = 0 -> no drain.
+    loads = [inst("a", 50, 2), inst("b", 50, 2)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+
+
+def test_scale_down_drains_the_freest_instance() -> None:
+    # (300 - 30) / 3 = 90; without c's capacity (200 - 30) / 3 = 56.7 < 60 -> keep all.
+    loads = [inst("a", 20, 2), inst("b", 10, 1), inst("c", 0, 0)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+    # Lighter load: (300 - 10) / 1 ... without c: (200 - 10) / 1 = 190 > 60 -> drain c (freest, idle).
+    loads = [inst("a", 10, 1), inst("b", 0, 0), inst("c", 0, 0)]
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "drain" and action.instance_id == "c"
+
+
+def test_drain_candidate_prefers_freest_then_fewest_requests() -> None:
+    # a: F = 80/1 = 80; b: F = 90/2 = 45; c: F = 50 / 1 = 50.
+    assert drain_candidate([inst("a", 20, 1), inst("b", 10, 2), inst("c", 50, 1)]) == "a"
+    # equal freeness 50: x has 2 requests (100-0)/2, y has 1 (100-50)/1 -> y has fewer requests
+    assert drain_candidate([inst("x", 0, 2), inst("y", 50, 1)]) == "y"
+    assert drain_candidate([inst("d", draining=True)]) is None
+
+
+def test_never_below_min_instances_and_never_the_last_one() -> None:
+    assert decide([inst("a")], starting=0, config=CFG).kind == "none"
+    cfg2 = AutoscalingConfig(min_instances=2, max_instances=4)
+    assert decide([inst("a"), inst("b")], starting=0, config=cfg2).kind == "none"
+    assert decide([inst("a")], starting=0, config=cfg2).kind == "scale-up"
+
+
+def test_drained_empty_instance_is_released() -> None:
+    loads = [inst("a", 10, 1), inst("b", draining=True)]
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "release" and action.instance_id == "b"
+
+
+def test_drain_in_progress_blocks_a_second_drain() -> None:
+    loads = [inst("a", 0, 0), inst("b", 0, 0), inst("c", 10, 1, draining=True)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+
+
+def test_drain_cancelled_when_load_rises() -> None:
+    loads = [inst("a", 95, 5), inst("b", 10, 1, draining=True)]  # serving: (100 - 95) / 5 = 1 < 10
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "cancel-drain" and action.instance_id == "b"
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError):
+        AutoscalingConfig(min_instances=5, max_instances=2)
+    with pytest.raises(ValueError):
+        AutoscalingConfig(scale_up_below=60, scale_down_above=10)

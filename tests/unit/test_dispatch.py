@@ -1,0 +1,106 @@
+"""Dispatch policies: hand-computed choices and edge cases."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.policies.dispatch import make_dispatch_policy
+
+
+def inst(iid: str, total: int = 100, free: int = 100, n_running: int = 0, waiting_tokens=(), draining=False):
+    running = tuple(RequestLoad(f"{iid}-r{i}", 16, blocks=1) for i in range(n_running))
+    waiting = tuple(RequestLoad(f"{iid}-w{i}", t) for i, t in enumerate(waiting_tokens))
+    return InstanceLoad(iid, total, free, 16, running=running, waiting=waiting, draining=draining)
+
+
+# a: 50 used, 1 running -> F = 50, memory 0.5; b: 40 used, 10 running -> F = 6, memory 0.4
+A = inst("a", free=50, n_running=1)
+B = inst("b", free=60, n_running=10)
+
+
+def test_llumnix_picks_highest_freeness() -> None:
+    decision = make_dispatch_policy("llumnix").choose([A, B])
+    assert decision is not None and decision.instance_id == "a" and not decision.all_busy
+
+
+def test_infaas_picks_lowest_memory_load_counting_queue() -> None:
+    assert make_dispatch_policy("infaas++").choose([A, B]).instance_id == "b"
+    # A queue of 20 blocks on b makes its memory load 0.6 > 0.5.
+    b_queued = inst("b", free=60, n_running=10, waiting_tokens=[160, 160])
+    assert make_dispatch_policy("infaas++").choose([A, b_queued]).instance_id == "a"
+
+
+def test_least_requests_counts_running_and_waiting() -> None:
+    c = inst("c", n_running=2)
+    d = inst("d", n_running=1, waiting_tokens=[16, 16])
+    assert make_dispatch_policy("least-requests").choose([c, d]).instance_id == "c"
+
+
+def test_llumnix_excludes_busy_instances_and_flags_all_busy() -> None:
+    # x: huge head-of-line request => F = 100 - 625 < 0 (busy); y: F = 2.
+    x = inst("x", waiting_tokens=[10_000])
+    y = inst("y", free=4, n_running=48)
+    policy = make_dispatch_policy("llumnix", busy_freeness=3.0)
+    decision = policy.choose([x, y])
+    assert decision.instance_id == "y" and decision.all_busy  # both below 3: best of the busy
+    z = inst("z", free=40, n_running=10)  # F = 4
+    decision = policy.choose([x, y, z])
+    assert decision.instance_id == "z" and not decision.all_busy
+
+
+def test_ties_are_broken_at_random_among_the_best_only() -> None:
+    policy = make_dispatch_policy("llumnix", rng=random.Random(1))
+    loads = [inst("a"), inst("b"), inst("c", free=10, n_running=1)]
+    picks = Counter(policy.choose(loads).instance_id for _ in range(200))
+    assert set(picks) == {"a", "b"}
+    assert min(picks.values()) > 50
+
+
+def test_top_k_spreads_over_the_k_best() -> None:
+    policy = make_dispatch_policy("llumnix", top_k=2, rng=random.Random(3))
+    loads = [inst("a", free=90), inst("b", free=80), inst("c", free=10)]
+    picks = Counter(policy.choose(loads).instance_id for _ in range(200))
+    assert set(picks) == {"a", "b"}
+
+
+def test_same_seed_same_choices() -> None:
+    loads = [inst("a"), inst("b"), inst("c")]
+    p1 = make_dispatch_policy("llumnix", rng=random.Random(7))
+    p2 = make_dispatch_policy("llumnix", rng=random.Random(7))
+    picks1 = [p1.choose(loads).instance_id for _ in range(20)]
+    assert picks1 == [p2.choose(loads).instance_id for _ in range(20)]
+
+
+def test_round_robin_cycles_and_skips_draining() -> None:
+    policy = make_dispatch_policy("round-robin")
+    loads = [inst("a"), inst("b"), inst("c")]
+    assert [policy.choose(loads).instance_id for _ in range(4)] == ["a", "b", "c", "a"]
+    loads = [inst("a"), inst("b", draining=True), inst("c")]
+    assert [policy.choose(loads).instance_id for _ in range(3)] == ["c", "a", "c"]
+    # An instance that appears is picked up in order; one that vanished is simply skipped.
+    assert policy.choose([inst("a"), inst("d")]).instance_id == "d"
+
+
+@pytest.mark.parametrize("name", ["llumnix", "infaas++", "round-robin", "least-requests"])
+def test_edge_cases(name: str) -> None:
+    policy = make_dispatch_policy(name)
+    assert policy.choose([]) is None
+    assert policy.choose([inst("a", draining=True)]) is None
+    one = policy.choose([inst("only", free=0, n_running=100)])
+    assert one is not None and one.instance_id == "only"
+    assert policy.choose([inst("a", draining=True), inst("b")]).instance_id == "b"
+
+
+def test_draining_instance_is_never_chosen_even_if_freest() -> None:
+    for name in ("llumnix", "infaas++", "least-requests"):
+        loads = [inst("drain", draining=True), inst("busy", free=1, n_running=99)]
+        assert make_dispatch_policy(name).choose(loads).instance_id == "busy"
+
+
+def test_unknown_policy_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown dispatch policy 'fastest'"):
+        make_dispatch_policy("fastest")
+    with pytest.raises(ValueError, match="top_k"):
+        make_dispatch_policy("llumnix", top_k=0)

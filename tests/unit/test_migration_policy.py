@@ -1,0 +1,119 @@
+"""Migration pairing and request selection: hand-computed expectations."""
+
+import pytest
+
+from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.policies.migration import (
+    MigrationConfig,
+    MigrationPair,
+    fits,
+    migratable,
+    pair_migrations,
+    select_request,
+)
+
+
+def r(rid: str, tokens: int = 32, blocks: int = 2, t: float = 0.0, hp: bool = False, migrating=False):
+    return RequestLoad(rid, tokens, 0, blocks, high_priority=hp, arrival_time=t, migrating=migrating)
+
+
+def inst(iid: str, free: int, running=(), waiting=(), total: int = 100, **kw) -> InstanceLoad:
+    return InstanceLoad(iid, total, free, 16, running=tuple(running), waiting=tuple(waiting), **kw)
+
+
+def loaded(iid: str, freeness_target: float, **kw) -> InstanceLoad:
+    """An instance with one running request and the given freeness (free blocks = F)."""
+    return inst(iid, free=int(freeness_target) + 0, running=[r(f"{iid}-r")], **kw)
+
+
+def test_pairs_most_loaded_sources_with_freest_destinations() -> None:
+    a = inst("a", free=10, running=[r("a1")], waiting=[r("aw", tokens=240)])  # F = (100-90-15)/2 = -2.5
+    b = loaded("b", 2)  # F = 2
+    c = loaded("c", 100 - 0)  # F = 100 (total 100, free 100 minus nothing)
+    d = loaded("d", 50)  # F = 50
+    e = inst("e", free=90, running=[r("e1")], draining=True)  # F = -inf
+    pairs = pair_migrations([a, b, c, d, e], MigrationConfig(freeness_threshold=3))
+    assert pairs == [MigrationPair("e", "c"), MigrationPair("a", "d")]
+
+
+def test_instance_already_migrating_takes_no_new_pair() -> None:
+    a = loaded("a", 1, migrating_out=1)
+    b = loaded("b", 2)
+    c = loaded("c", 90, migrating_in=1)
+    d = loaded("d", 50)
+    assert pair_migrations([a, b, c, d]) == [MigrationPair("b", "d")]
+    assert pair_migrations([a, b, c, d], MigrationConfig(max_concurrent_per_instance=2)) == [
+        MigrationPair("a", "c"),
+        MigrationPair("b", "d"),
+    ]
+
+
+def test_preempting_instance_is_a_source_whatever_its_freeness() -> None:
+    a = loaded("a", 40, preemptions=2)
+    b = loaded("b", 90)
+    assert pair_migrations([a, b]) == [MigrationPair("a", "b")]
+
+
+def test_sources_need_a_running_request_and_destinations_must_be_free() -> None:
+    only_queue = inst("q", free=100, waiting=[r("w", tokens=4000, blocks=0)])  # F < 0 but nothing to move
+    free = loaded("f", 90)
+    assert pair_migrations([only_queue, free]) == []
+    low = loaded("low", 1)
+    also_low = loaded("low2", 2)
+    assert pair_migrations([low, also_low]) == []  # no destination at or above the threshold
+
+
+def test_edge_cases_empty_and_single() -> None:
+    assert pair_migrations([]) == []
+    assert pair_migrations([loaded("one", 1)]) == []
+
+
+def test_draining_instance_is_never_a_destination() -> None:
+    src = loaded("src", 1)
+    drain = inst("drain", free=100, draining=True)
+    assert pair_migrations([src, drain]) == []
+
+
+def test_select_request_policies() -> None:
+    load = inst(
+        "a",
+        free=50,
+        running=[
+            r("old-long", tokens=500, t=1.0),
+            r("new-mid", tokens=100, t=3.0),
+            r("mid-short", tokens=20, t=2.0),
+        ],
+    )
+    assert select_request(load, "last-come").request_id == "new-mid"
+    assert select_request(load, "shortest").request_id == "mid-short"
+    assert select_request(load, "longest").request_id == "old-long"
+    with pytest.raises(ValueError, match="unknown request selection"):
+        select_request(load, "random")
+
+
+def test_high_priority_requests_stay_while_normal_ones_move() -> None:
+    load = inst("a", free=50, running=[r("hp", t=9.0, hp=True), r("normal", t=1.0)])
+    assert select_request(load, "last-come").request_id == "normal"
+    only_hp = inst("b", free=50, running=[r("hp1", t=1.0, hp=True), r("hp2", t=2.0, hp=True)])
+    assert select_request(only_hp, "last-come").request_id == "hp2"
+
+
+def test_migrating_and_blockless_requests_are_not_candidates() -> None:
+    load = inst("a", free=50, running=[r("moving", migrating=True), r("noblocks", blocks=0)])
+    assert migratable(load) == []
+    assert select_request(load) is None
+
+
+def test_fits_checks_free_blocks_reservations_and_draining() -> None:
+    req = r("x", blocks=10)
+    assert fits(req, inst("d", free=11))
+    assert not fits(req, inst("d", free=10))  # one block of growth is needed
+    assert not fits(req, inst("d", free=20, reserved_blocks=10))
+    assert not fits(req, inst("d", free=100, draining=True))
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown request selection"):
+        MigrationConfig(select="oldest")
+    with pytest.raises(ValueError):
+        MigrationConfig(max_concurrent_per_instance=0)
