@@ -106,11 +106,16 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 ),
             }
         ),
+        "replicas": _int(
+            0,
+            desc="desired instances (default: instances.min); the /scale subresource reads and "
+            "writes it, so `kubectl scale`, HPA and KEDA act here; with built-in autoscaling on, "
+            "the operator writes it",
+        ),
         "instances": _obj(
             {
                 "min": _int(0, 1, desc="never fewer instances"),
                 "max": _int(1, 16, desc="never more instances"),
-                "initial": _int(0, desc="instances at creation (default: min)"),
             }
         ),
         "dispatch": _obj(
@@ -190,7 +195,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
 @dataclass(frozen=True)
 class CrossFieldRule:
     path: str
-    """The object the rule is attached to (dotted, under .spec)."""
+    """The field of .spec the rule is attached to ("" for .spec itself)."""
     cel: str
     check: Callable[[dict], bool]
     message: str
@@ -204,10 +209,10 @@ CROSS_FIELD_RULES: list[CrossFieldRule] = [
         "instances.min must be <= instances.max",
     ),
     CrossFieldRule(
-        "instances",
-        "!has(self.initial) || (self.initial >= self.min && self.initial <= self.max)",
-        lambda o: "initial" not in o or o["min"] <= o["initial"] <= o["max"],
-        "instances.initial must lie within [min, max]",
+        "",
+        "!has(self.replicas) || (self.replicas >= self.instances.min && self.replicas <= self.instances.max)",
+        lambda o: "replicas" not in o or o["instances"]["min"] <= o["replicas"] <= o["instances"]["max"],
+        "replicas must lie within [instances.min, instances.max]",
     ),
     CrossFieldRule(
         "autoscaling",
@@ -245,8 +250,8 @@ def validate_spec(spec: Any) -> dict:
         where = ".".join(str(p) for p in err.path) or "spec"
         raise SpecError(f"spec.{where}: {err.message}" if err.path else f"spec: {err.message}")
     for rule in CROSS_FIELD_RULES:
-        if not rule.check(filled[rule.path]):
-            raise SpecError(f"spec.{rule.path}: {rule.message}")
+        if not rule.check(filled[rule.path] if rule.path else filled):
+            raise SpecError(f"spec.{rule.path}: {rule.message}" if rule.path else f"spec: {rule.message}")
     return filled
 
 
@@ -259,9 +264,8 @@ class ServiceSettings:
     spec: dict
 
     @property
-    def initial_instances(self) -> int:
-        instances = self.spec["instances"]
-        return int(instances.get("initial", instances["min"]))
+    def desired_instances(self) -> int:
+        return int(self.spec.get("replicas", self.spec["instances"]["min"]))
 
     @property
     def load_model(self) -> LoadModelConfig:

@@ -24,7 +24,7 @@ def test_minimal_manifest_gets_every_default() -> None:
     assert spec["migration"]["intervalMs"] == 100
     assert spec["autoscaling"]["scaleUpBelow"] == 10.0
     assert spec["priorities"]["targetLoadTokens"] == 1600
-    assert settings.initial_instances == 1
+    assert settings.desired_instances == 1
     assert settings.migration.freeness_threshold == 3.0
     assert settings.autoscaling.max_instances == 16
     assert settings.load_model.high_priority_target_tokens == 1600
@@ -33,12 +33,13 @@ def test_minimal_manifest_gets_every_default() -> None:
 def test_given_values_are_kept() -> None:
     settings = parse_service(
         manifest(
-            instances={"min": 2, "max": 6, "initial": 4},
+            replicas=4,
+            instances={"min": 2, "max": 6},
             migration={"select": "shortest"},
             autoscaling={"enabled": True, "scaleUpBelow": 5, "scaleDownAbove": 50},
         )
     )
-    assert settings.initial_instances == 4
+    assert settings.desired_instances == 4
     assert settings.migration.select == "shortest"
     assert settings.spec["migration"]["enabled"] is True  # default kept beside the given field
     assert settings.autoscaling.scale_down_above == 50
@@ -49,7 +50,7 @@ def test_given_values_are_kept() -> None:
     [
         ({"dispatch": {"policy": "fastest"}}, "spec.dispatch.policy: 'fastest' is not one of"),
         ({"instances": {"min": 4, "max": 2}}, "spec.instances: instances.min must be <= instances.max"),
-        ({"instances": {"min": 1, "max": 2, "initial": 5}}, "spec.instances: instances.initial must lie"),
+        ({"replicas": 5, "instances": {"min": 1, "max": 2}}, "spec: replicas must lie within"),
         ({"instances": {"max": 0}}, "spec.instances.max: 0 is less than the minimum of 1"),
         ({"autoscaling": {"scaleUpBelow": 70}}, "spec.autoscaling: autoscaling.scaleUpBelow must be lower"),
         ({"migration": {"intervalMs": "fast"}}, "spec.migration.intervalMs: 'fast' is not of type 'integer'"),

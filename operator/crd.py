@@ -1,0 +1,144 @@
+"""The LLMService CustomResourceDefinition, generated from `llumnix.service_spec` (the one definition).
+
+`scripts/gen_crd.py` writes it to the chart; a test fails when the checked-in copy is stale.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from llumnix.service_spec import (
+    API_GROUP,
+    API_VERSION,
+    CROSS_FIELD_RULES,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SPEC_SCHEMA,
+)
+
+CONDITION_TYPES = ["Ready", "Progressing", "Degraded"]
+
+STATUS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "observed state, written by the operator",
+    "properties": {
+        "observedGeneration": {"type": "integer"},
+        "replicas": {"type": "integer", "description": "instances that exist (for the /scale subresource)"},
+        "selector": {"type": "string", "description": "label selector of the engine pods (for HPA)"},
+        "instances": {
+            "type": "object",
+            "properties": {"ready": {"type": "integer"}, "desired": {"type": "integer"}},
+        },
+        "averageFreeness": {"type": "number"},
+        "migrations": {
+            "type": "object",
+            "properties": {"completed": {"type": "integer"}, "aborted": {"type": "integer"}},
+        },
+        "instanceSummaries": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "phase": {"type": "string"},
+                    "freeness": {"type": "number"},
+                    "running": {"type": "integer"},
+                    "waiting": {"type": "integer"},
+                    "draining": {"type": "boolean"},
+                },
+            },
+        },
+        "lastScaling": {
+            "type": "object",
+            "properties": {
+                "time": {"type": "string", "format": "date-time"},
+                "action": {"type": "string"},
+                "instance": {"type": "string"},
+                "reason": {"type": "string"},
+                "aggregateFreeness": {"type": "number"},
+            },
+        },
+        "conditions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "status"],
+                "properties": {
+                    "type": {"type": "string", "enum": CONDITION_TYPES},
+                    "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                    "reason": {"type": "string"},
+                    "message": {"type": "string"},
+                    "lastTransitionTime": {"type": "string", "format": "date-time"},
+                },
+            },
+        },
+    },
+}
+
+PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.instances.ready"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.instances.desired"},
+    {"name": "Freeness", "type": "number", "jsonPath": ".status.averageFreeness"},
+    {"name": "Migrations", "type": "integer", "jsonPath": ".status.migrations.completed"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _spec_schema_with_rules() -> dict[str, Any]:
+    """SPEC_SCHEMA with each cross-field rule attached, as CEL, to the node it is about."""
+    schema = copy.deepcopy(SPEC_SCHEMA)
+    for rule in CROSS_FIELD_RULES:
+        node = schema["properties"][rule.path] if rule.path else schema
+        node.setdefault("x-kubernetes-validations", []).append({"rule": rule.cel, "message": rule.message})
+    return schema
+
+
+def crd_manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{API_GROUP}"},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": SHORT_NAMES,
+                "categories": ["llumnix"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": _spec_schema_with_rules(),
+                                "status": STATUS_SCHEMA,
+                            },
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
