@@ -12,7 +12,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/pytest
 
 lint: setup
 	$(BIN)/ruff check .

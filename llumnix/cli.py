@@ -1,5 +1,5 @@
-"""`llumnix` command line. Each subcommand lives in its own module, imported only when used, and
-provides `add_arguments(parser)` and `run(args) -> int`."""
+"""`llumnix` command line. Each subcommand lives in its own module, imported only when that
+subcommand runs, and provides `add_arguments(parser)` and `run(args) -> int`."""
 
 from __future__ import annotations
 
@@ -7,29 +7,37 @@ import argparse
 import importlib
 import sys
 
-# name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("llumnix.demo", "run the main job on the embedded default and print a summary"),
     "simulate": ("llumnix.sim.cli", "discrete-event simulation of a cluster under a trace and policies"),
+    "llumlet": ("llumlet.cli", "run the llumlet sidecar next to one engine (load, gRPC API, OpenAI front)"),
+    "make-tiny-model": ("llumnix.tiny_model", "build a small random LLaMA + tokenizer locally (no hub)"),
+    "sim-engine": ("llumnix.sim_engine.cli", "simulated engine: vLLM's OpenAI API + load snapshots, no GPU"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (so `llumnix --help` stays fast)."""
     parser = argparse.ArgumentParser(
         prog="llumnix",
         description="Llumnix on Kubernetes: run-time scheduling and live migration for vLLM instances.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
-        module.add_arguments(sp)
-        sp.set_defaults(_run=module.run)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            sp.description = (module.__doc__ or help_text).strip()
+            sp.formatter_class = argparse.RawDescriptionHelpFormatter
+            module.add_arguments(sp)
+            sp.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

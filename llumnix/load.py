@@ -94,14 +94,17 @@ def head_of_line_demand(load: InstanceLoad) -> int:
     return blocks_for_tokens(load.waiting[0].total_tokens, load.block_size)
 
 
-def high_priority_headroom(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -> int:
-    """Blocks reserved on an instance that holds high-priority requests.
+def high_priority_headroom(
+    load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL, incoming: RequestLoad | None = None
+) -> int:
+    """Blocks reserved on an instance that holds (or is about to get, `incoming`) high-priority
+    requests.
 
     The headroom is what lies above the high-priority load target, so an instance with
     high-priority work looks nearly full: normal requests are dispatched and migrated elsewhere,
     and the high-priority requests decode in a lightly loaded batch.
     """
-    if not load.has_high_priority:
+    if not (load.has_high_priority or (incoming is not None and incoming.high_priority)):
         return 0
     target = blocks_for_tokens(config.high_priority_target_tokens, load.block_size)
     return max(0, load.total_blocks - target)
@@ -127,6 +130,24 @@ def freeness(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -
     if math.isinf(usage):
         return -math.inf
     return (load.total_blocks - usage) / max(1, batch_size(load))
+
+
+def dispatch_freeness(
+    load: InstanceLoad, request: RequestLoad | None = None, config: LoadModelConfig = DEFAULT_LOAD_MODEL
+) -> float:
+    """Freeness the instance would have with `request` admitted behind its whole queue.
+
+    Dispatch looks further ahead than `freeness`: every queued request will need its blocks before
+    the new one runs, and each joins the batch. Without this an instance whose few requests nearly
+    fill its memory looks free (high blocks per request) to a request that cannot fit there.
+    """
+    if load.draining:
+        return -math.inf
+    queued = list(load.waiting) if request is None else [*load.waiting, request]
+    demand = sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in queued)
+    headroom = high_priority_headroom(load, config, request)
+    usage = load.used_blocks + load.reserved_blocks + demand + headroom
+    return (load.total_blocks - usage) / max(1, len(load.running) + len(queued))
 
 
 def memory_load(load: InstanceLoad) -> float:

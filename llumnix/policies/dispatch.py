@@ -13,7 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, freeness, memory_load
+from llumnix.load import (
+    DEFAULT_LOAD_MODEL,
+    InstanceLoad,
+    LoadModelConfig,
+    RequestLoad,
+    dispatch_freeness,
+    memory_load,
+)
 
 POLICY_NAMES = ("llumnix", "infaas++", "round-robin", "least-requests")
 
@@ -35,7 +42,9 @@ class DispatchPolicy(ABC):
     name: str = ""
 
     @abstractmethod
-    def choose(self, loads: Sequence[InstanceLoad]) -> DispatchDecision | None: ...
+    def choose(
+        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+    ) -> DispatchDecision | None: ...
 
 
 class ScoringPolicy(DispatchPolicy):
@@ -44,8 +53,8 @@ class ScoringPolicy(DispatchPolicy):
     def __init__(
         self,
         name: str,
-        score: Callable[[InstanceLoad], float],
-        is_busy: Callable[[InstanceLoad], bool] = lambda _load: False,
+        score: Callable[[InstanceLoad, RequestLoad | None], float],
+        is_busy: Callable[[float], bool] = lambda _score: False,
         top_k: int = 1,
         rng: random.Random | None = None,
     ) -> None:
@@ -57,13 +66,14 @@ class ScoringPolicy(DispatchPolicy):
         self.top_k = top_k
         self.rng = rng or random.Random(0)
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> DispatchDecision | None:
-        candidates = [load for load in loads if not load.draining]
-        if not candidates:
+    def choose(
+        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+    ) -> DispatchDecision | None:
+        scored = [(self.score(load, request), load.instance_id) for load in loads if not load.draining]
+        if not scored:
             return None
-        free = [load for load in candidates if not self.is_busy(load)]
-        pool = free or candidates
-        scored = sorted(((self.score(load), load.instance_id) for load in pool), reverse=True)
+        free = [item for item in scored if not self.is_busy(item[0])]
+        scored = sorted(free or scored, reverse=True)
         best = scored[0][0]
         ties = [iid for score, iid in scored if _same(score, best)]
         top = ties if len(ties) >= self.top_k else [iid for _, iid in scored[: self.top_k]]
@@ -78,7 +88,9 @@ class RoundRobinPolicy(DispatchPolicy):
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def choose(self, loads: Sequence[InstanceLoad]) -> DispatchDecision | None:
+    def choose(
+        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+    ) -> DispatchDecision | None:
         ids = sorted(load.instance_id for load in loads if not load.draining)
         if not ids:
             return None
@@ -103,21 +115,23 @@ def make_dispatch_policy(
     if name == "llumnix":
         return ScoringPolicy(
             "llumnix",
-            score=lambda load: freeness(load, load_model),
-            is_busy=lambda load: freeness(load, load_model) < busy_freeness,
+            score=lambda load, request: dispatch_freeness(load, request, load_model),
+            is_busy=lambda score: score < busy_freeness,
             top_k=top_k,
             rng=rng,
         )
     if name == "infaas++":
         return ScoringPolicy(
             "infaas++",
-            score=lambda load: -memory_load(load),
-            is_busy=lambda load: memory_load(load) >= 1.0,
+            score=lambda load, _request: -memory_load(load),
+            is_busy=lambda score: score <= -1.0,
             top_k=top_k,
             rng=rng,
         )
     if name == "least-requests":
-        return ScoringPolicy("least-requests", score=lambda load: -load.num_requests, top_k=top_k, rng=rng)
+        return ScoringPolicy(
+            "least-requests", score=lambda load, _request: -load.num_requests, top_k=top_k, rng=rng
+        )
     if name == "round-robin":
         return RoundRobinPolicy()
     raise ValueError(f"unknown dispatch policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

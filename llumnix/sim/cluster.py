@@ -1,0 +1,288 @@
+"""The simulated cluster: a discrete-event loop in virtual time over simulated instances.
+
+Events (a heap of (time, sequence, handler, argument)):
+- arrivals, read in time order from the trace and dispatched with `llumnix.policies.dispatch`;
+- the end of an instance's iteration (the instance then plans its next one);
+- the control tick every `migration_interval_s`: migration pairing and request selection with
+  `llumnix.policies.migration` (systems that migrate), then a fragmentation sample;
+- the end of a migration stage (`llumnix.sim.migration`);
+- the autoscaling tick every `autoscaling.interval_s` (`llumnix.policies.autoscaling.decide`) and
+  the moment a started instance becomes ready.
+The loop ends when every request has finished.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from llumnix.load import RequestLoad
+from llumnix.policies.autoscaling import decide
+from llumnix.policies.dispatch import make_dispatch_policy
+from llumnix.policies.migration import fits, pair_migrations, select_request
+from llumnix.profile import LatencyProfile
+from llumnix.sim.instance import EngineConfig, SimInstance
+from llumnix.sim.metrics import SimResult, fragmented_blocks
+from llumnix.sim.migration import Migration, Outcome
+from llumnix.sim.request import SimRequest
+from llumnix.sim.systems import SimConfig, SystemSpec
+from llumnix.traces import TraceRequest
+
+Progress = Callable[[float, int], None]
+"""(virtual time, finished requests) -> None, called now and then during a run."""
+
+_PROGRESS_EVERY = 20_000
+
+
+class Cluster:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        system: SystemSpec,
+        profile: LatencyProfile,
+        instances: int,
+        config: SimConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        if instances < 1:
+            raise ValueError("the cluster needs at least one instance")
+        config = config or SimConfig()
+        self.system = system
+        self.profile = profile
+        self.config = config
+        self.engine = EngineConfig(
+            total_blocks=profile.total_blocks,
+            block_size=profile.block_size,
+            max_num_seqs=profile.max_num_seqs,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+            watermark=config.watermark,
+            chunked_prefill=config.chunked_prefill,
+        )
+        capacity = (self.engine.total_blocks - self.engine.watermark_blocks) * profile.block_size
+        too_long = [t for t in trace if t.prompt_tokens + t.output_tokens > capacity]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} request(s) need more than one instance's KV capacity ({capacity} tokens),"
+                f" e.g. request {too_long[0].request_id} with {too_long[0].prompt_tokens} +"
+                f" {too_long[0].output_tokens} tokens"
+            )
+        self.requests = [
+            SimRequest(
+                str(t.request_id),
+                t.arrival_time,
+                t.prompt_tokens,
+                t.output_tokens,
+                trace_high_priority=t.high_priority,
+                high_priority=t.high_priority and system.priorities,
+            )
+            for t in sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
+        ]
+        self.dispatcher = make_dispatch_policy(
+            system.dispatch,
+            top_k=config.dispatch_top_k,
+            load_model=config.load_model,
+            rng=random.Random(seed),
+        )
+        scaling = config.autoscaling
+        if scaling is not None:
+            instances = min(max(instances, scaling.min_instances, 1), scaling.max_instances)
+        self._next_instance = 0
+        self.ready: list[SimInstance] = [self._new_instance() for _ in range(instances)]
+        self.starting: list[SimInstance] = []
+        self.released: list[SimInstance] = []
+        self.pending: list[SimRequest] = []
+        """Arrived while no instance could take them (all starting or draining)."""
+        self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.finished = 0
+        self._instance_area = 0.0
+        self._instance_changed_at = 0.0
+        self.result = SimResult(system=system.name, requests=self.requests, duration=0.0, avg_instances=0.0)
+        self._record_instances()
+
+    # ----- plumbing -----
+
+    def _new_instance(self) -> SimInstance:
+        instance = SimInstance(f"i{self._next_instance:03d}", self.engine, self.profile.iteration_time)
+        self._next_instance += 1
+        return instance
+
+    def _push(self, at: float, handler: Callable[[Any, float], None], arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, self._seq, handler, arg))
+
+    def _record_instances(self) -> None:
+        counts = self.result.instance_counts
+        if counts:
+            self._instance_area += counts[-1] * (self.now - self._instance_changed_at)
+        self._instance_changed_at = self.now
+        self.result.instance_times.append(self.now)
+        counts.append(len(self.ready) + len(self.starting))
+
+    def _kick(self, instance: SimInstance) -> None:
+        if instance.busy:
+            return
+        duration = instance.plan(self.now)
+        if duration is not None:
+            self._push(self.now + duration, self._on_iteration_end, instance)
+
+    # ----- the loop -----
+
+    def run(self, progress: Progress | None = None) -> SimResult:
+        started = time.perf_counter()
+        requests = self.requests
+        total = len(requests)
+        self._push(self.config.migration_interval_s, self._on_tick)
+        if self.config.autoscaling is not None:
+            self._push(self.config.autoscaling.interval_s, self._on_autoscale)
+        heap = self._heap
+        pop = heapq.heappop
+        next_arrival = 0
+        events = 0
+        while self.finished < total:
+            arrival_time = requests[next_arrival].arrival_time if next_arrival < total else math.inf
+            if heap and heap[0][0] <= arrival_time:
+                at, _, handler, arg = pop(heap)
+                self.now = at
+                handler(arg, at)
+            else:
+                self.now = arrival_time
+                self._dispatch(requests[next_arrival])
+                next_arrival += 1
+            events += 1
+            if progress is not None and events % _PROGRESS_EVERY == 0:
+                progress(self.now, self.finished)
+        if progress is not None:
+            progress(self.now, self.finished)
+        self._record_instances()
+        result = self.result
+        result.duration = self.now
+        result.avg_instances = self._instance_area / self.now if self.now > 0 else float(len(self.ready))
+        result.preemptions = sum(i.preemptions for i in self._all_instances_ever)
+        result.events = events
+        result.wall_seconds = time.perf_counter() - started
+        return result
+
+    @property
+    def _all_instances_ever(self) -> list[SimInstance]:
+        return self.released + self.ready + self.starting
+
+    # ----- handlers -----
+
+    def _dispatch(self, request: SimRequest) -> None:
+        incoming = RequestLoad(
+            request.request_id, request.prompt_tokens, request.generated, high_priority=request.high_priority
+        )
+        decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming)
+        if decision is None:
+            self.pending.append(request)
+            return
+        instance = next(i for i in self.ready if i.instance_id == decision.instance_id)
+        instance.enqueue(request)
+        self._kick(instance)
+
+    def _on_iteration_end(self, instance: SimInstance, now: float) -> None:
+        self.finished += len(instance.complete(now))
+        self._kick(instance)
+
+    def _on_tick(self, _: None, now: float) -> None:
+        if self.system.migration:
+            self._migration_round()
+        for instance in self.ready:
+            instance.read_preemptions()
+        self._sample_fragmentation()
+        if self.finished < len(self.requests):
+            self._push(now + self.config.migration_interval_s, self._on_tick)
+
+    def _migration_round(self) -> None:
+        loads = [instance.snapshot() for instance in self.ready]
+        by_id = {instance.instance_id: instance for instance in self.ready}
+        load_by_id = {load.instance_id: load for load in loads}
+        for pair in pair_migrations(loads, self.config.migration, self.config.load_model):
+            chosen = select_request(load_by_id[pair.source], self.config.migration.select)
+            if chosen is None or not fits(chosen, load_by_id[pair.destination]):
+                continue
+            source = by_id[pair.source]
+            request = next((r for r in source.running if r.request_id == chosen.request_id), None)
+            if request is None:
+                continue  # still prefilling: only decoding requests can move
+            migration = Migration(
+                request,
+                source,
+                by_id[pair.destination],
+                self.profile.kv_transfer_time,
+                self.config.max_migration_stages,
+            )
+            stage_end = migration.start(self.now)
+            if stage_end is not None:
+                self._push(stage_end, self._on_migration_stage, migration)
+
+    def _on_migration_stage(self, migration: Migration, now: float) -> None:
+        stage_end = migration.on_stage_end(now)
+        if stage_end is not None:
+            self._push(stage_end, self._on_migration_stage, migration)
+            return
+        if migration.outcome is Outcome.COMPLETED:
+            self.result.migration_downtimes.append(migration.downtime)
+            self.result.migration_stages.append(migration.stages)
+            self._kick(migration.destination)
+        else:
+            self.result.migrations_aborted += 1
+        self._kick(migration.source)
+
+    def _sample_fragmentation(self) -> None:
+        free = 0
+        total = 0
+        demands = []
+        for instance in self.ready:
+            free += instance.free_blocks
+            total += instance.total_blocks
+            demand = instance.head_of_line_blocked_demand()
+            if demand:
+                demands.append(demand)
+        self.result.fragmentation_times.append(self.now)
+        self.result.fragmentation.append(fragmented_blocks(free, demands) / total if total else 0.0)
+
+    def _on_autoscale(self, _: None, now: float) -> None:
+        scaling = self.config.autoscaling
+        assert scaling is not None
+        action = decide(
+            [instance.snapshot() for instance in self.ready],
+            len(self.starting),
+            scaling,
+            self.config.load_model,
+        )
+        if action.kind == "scale-up":
+            instance = self._new_instance()
+            self.starting.append(instance)
+            self._record_instances()
+            self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
+        elif action.kind in ("drain", "cancel-drain"):
+            instance = next(i for i in self.ready if i.instance_id == action.instance_id)
+            instance.set_draining(action.kind == "drain")
+            if action.kind == "cancel-drain":
+                self._dispatch_pending()
+        elif action.kind == "release":
+            instance = next(i for i in self.ready if i.instance_id == action.instance_id)
+            # A migration still in flight (an aborted final stage would hand a request back) waits.
+            if instance.num_requests == 0 and instance.migrating_in == 0 and instance.migrating_out == 0:
+                self.ready.remove(instance)
+                self.released.append(instance)
+                self._record_instances()
+        if self.finished < len(self.requests):
+            self._push(now + scaling.interval_s, self._on_autoscale)
+
+    def _on_instance_ready(self, instance: SimInstance, now: float) -> None:
+        self.starting.remove(instance)
+        self.ready.append(instance)
+        self._dispatch_pending()
+
+    def _dispatch_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for request in pending:
+            self._dispatch(request)

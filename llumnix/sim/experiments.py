@@ -1,0 +1,385 @@
+"""The paper's serving experiments (§6.3–6.5) as presets: the runs, a markdown report and PNG plots.
+
+Every preset uses the simulator's one default configuration (`SimConfig()`, the default profile);
+only the trace, the rates and the systems compared differ, as in the paper. Request counts are
+smaller than the paper's 10,000 so a preset finishes in minutes on two cores; `--requests` raises
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.profile import DEFAULT_PROFILE
+from llumnix.sim.metrics import SimResult, class_summaries
+from llumnix.sim.report import line_grid, markdown_table, time_series
+from llumnix.sim.runner import RunSpec, simulate_many
+
+FIG11_RATES: dict[str, tuple[float, ...]] = {
+    # The artifact's rate ranges (req/s, 16 instances): low end, middle, high end.
+    "sharegpt": (7.0, 7.5, 8.0),
+    "burstgpt": (7.5, 8.0, 8.5),
+    "S-S": (32.0, 35.0, 38.0),
+    "M-M": (7.4, 7.7, 8.0),
+    "L-L": (2.6, 2.9, 3.2),
+    "S-L": (4.1, 4.25, 4.4),
+    "L-S": (10.0, 16.0, 22.0),
+}
+FIG11_POLICIES = ("llumnix", "infaas++", "round-robin")
+FIG13_CVS = (2.0, 4.0, 6.0, 8.0)
+FIG14_RATES = (1.0, 1.5, 2.0, 2.5, 3.0)
+FIG14_CVS = (2.0, 4.0, 6.0, 8.0)
+FIG15_LOWER_BOUNDS = (2.0, 5.0, 10.0, 20.0, 30.0, 40.0)
+AUTOSCALING_INITIAL_INSTANCES = 8
+"""Autoscaling runs start half-way between one instance and the maximum of 16."""
+
+Results = list[tuple[RunSpec, SimResult]]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    title: str
+    default_requests: int
+    specs: Callable[[int, int, str], list[RunSpec]]
+    """(requests, seed, profile) -> the runs."""
+    report: Callable[[Results, Path], list[str]]
+    """Writes plots into the folder; returns the report's markdown sections."""
+
+
+def _fig11_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
+    return [
+        RunSpec(policy, trace, rate, requests=requests, seed=seed, profile=profile, label=f"{trace}@{rate:g}")
+        for trace, rates in FIG11_RATES.items()
+        for rate in rates
+        for policy in FIG11_POLICIES
+    ]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("inf") if a > 0 else 1.0
+
+
+def _fig11_report(results: Results, out: Path) -> list[str]:
+    metrics = ("e2e_mean", "e2e_p99", "prefill_mean", "prefill_p99", "decode_p99", "preemption_loss")
+    rows = []
+    by_point: dict[tuple[str, float], dict[str, dict]] = {}
+    for spec, result in results:
+        summary = result.summary()
+        by_point.setdefault((spec.trace, spec.rate), {})[spec.policy] = summary
+        rows.append([spec.trace, spec.rate, spec.policy, *(summary[m] for m in metrics)])
+    table = markdown_table(["trace", "rate", "policy", *metrics], rows)
+    ratio_rows = []
+    for (trace, rate), point in by_point.items():
+        ours = point["llumnix"]
+        for baseline in ("infaas++", "round-robin"):
+            theirs = point[baseline]
+            ratio_rows.append(
+                [
+                    trace,
+                    rate,
+                    baseline,
+                    *(
+                        _ratio(theirs[m], ours[m])
+                        for m in ("e2e_mean", "e2e_p99", "prefill_mean", "prefill_p99", "decode_p99")
+                    ),
+                    _reduction(theirs["preemption_loss"], ours["preemption_loss"]),
+                ]
+            )
+    ratios = markdown_table(
+        [
+            "trace",
+            "rate",
+            "baseline",
+            "e2e mean x",
+            "e2e p99 x",
+            "prefill mean x",
+            "prefill p99 x",
+            "decode p99 x",
+            "preemption loss cut",
+        ],
+        ratio_rows,
+    )
+    panels = []
+    for trace in FIG11_RATES:
+        for metric in ("e2e_mean", "prefill_mean", "prefill_p99", "decode_p99", "preemption_loss"):
+            series = {
+                policy: (
+                    [rate for (t, rate) in by_point if t == trace],
+                    [point[policy][metric] for (t, _), point in by_point.items() if t == trace],
+                )
+                for policy in FIG11_POLICIES
+            }
+            panels.append((f"{trace} {metric}", "s", series))
+    line_grid(out / "fig11_serving.png", panels, columns=5, xlabel="rate (req/s)", log_y=True)
+    return [
+        "Serving on 16 instances (paper Fig. 11). Times in seconds.",
+        table,
+        "Baseline / Llumnix ratios (x > 1: Llumnix better); preemption loss cut = 1 - llumnix/baseline.",
+        ratios,
+        "![serving](fig11_serving.png)",
+    ]
+
+
+def _reduction(baseline: float, ours: float) -> str:
+    if baseline <= 0:
+        return "n/a (no loss)"
+    return f"{100 * (1 - ours / baseline):.0f}%"
+
+
+def _fig12_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
+    return [
+        RunSpec(p, "M-M", 7.5, requests=requests, seed=seed, profile=profile) for p in ("llumnix", "infaas++")
+    ]
+
+
+def _fig12_report(results: Results, out: Path) -> list[str]:
+    series = {}
+    rows = []
+    for spec, result in results:
+        frac = np.asarray(result.fragmentation)
+        times = np.asarray(result.fragmentation_times)
+        # One-second means keep the plot readable (and the PNG small).
+        buckets = times.astype(int)
+        counts = np.bincount(buckets)
+        sums = np.bincount(buckets, weights=frac)
+        seconds = np.nonzero(counts)[0]
+        series[spec.policy] = (seconds.tolist(), (100 * sums[seconds] / counts[seconds]).tolist())
+        rows.append(
+            [
+                spec.policy,
+                100 * float(frac.mean()),
+                100 * float((frac > 0.10).mean()),
+                100 * float(frac.max()),
+            ]
+        )
+    time_series(out / "fig12_fragmentation.png", series, "fragmented memory (%)")
+    return [
+        "Fragmentation, M-M at 7.5 req/s (paper Fig. 12): the part of the cluster's free memory that could"
+        " serve head-of-line blocked requests, as a share of the cluster's memory, sampled every 0.1 s.",
+        markdown_table(["policy", "mean %", "time above 10% (%)", "max %"], rows),
+        "![fragmentation](fig12_fragmentation.png)",
+    ]
+
+
+def _fig13_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
+    return [
+        RunSpec(
+            policy,
+            "S-S",
+            26.0,
+            cv=cv,
+            requests=requests,
+            seed=seed,
+            profile=profile,
+            high_priority_fraction=0.1,
+            label=f"cv={cv:g}",
+        )
+        for cv in FIG13_CVS
+        for policy in ("llumnix", "llumnix-base")
+    ]
+
+
+def _fig13_report(results: Results, out: Path) -> list[str]:
+    metrics = ("e2e_mean", "prefill_mean", "prefill_p99", "decode_mean", "decode_p99")
+    rows = []
+    by_cv: dict[float, dict[str, dict[str, dict]]] = {}
+    for spec, result in results:
+        classes = class_summaries(result)
+        by_cv.setdefault(spec.cv, {})[spec.policy] = classes
+        for cls in ("high", "normal"):
+            rows.append([spec.cv, spec.policy, cls, *(classes[cls][m] for m in metrics)])
+    ratio_rows = []
+    for cv, point in by_cv.items():
+        base, ours = point["llumnix-base"], point["llumnix"]
+        ratio_rows.append(
+            [cv, "high (base/llumnix)", *(_ratio(base["high"][m], ours["high"][m]) for m in metrics)]
+        )
+        ratio_rows.append(
+            [
+                cv,
+                "normal (llumnix/base - 1)",
+                *(f"{100 * (_ratio(ours['normal'][m], base['normal'][m]) - 1):+.1f}%" for m in metrics),
+            ]
+        )
+    panels = []
+    for cls in ("high", "normal"):
+        for metric in metrics:
+            series = {
+                policy: (list(by_cv), [point[policy][cls][metric] for point in by_cv.values()])
+                for policy in ("llumnix", "llumnix-base")
+            }
+            panels.append((f"{cls} {metric}", "s", series))
+    line_grid(out / "fig13_priorities.png", panels, columns=5, xlabel="CV")
+    return [
+        "Priorities: S-S, Gamma arrivals at 26 req/s, 10% high priority (paper Fig. 13).",
+        markdown_table(["cv", "policy", "class", *metrics], rows),
+        "High-priority speed-up (x > 1: Llumnix better) and normal requests' change (+: Llumnix slower).",
+        markdown_table(["cv", "class", *metrics], ratio_rows),
+        "![priorities](fig13_priorities.png)",
+    ]
+
+
+def _autoscaling(lower: float = 10.0) -> AutoscalingConfig:
+    return AutoscalingConfig(scale_up_below=lower, scale_down_above=lower + 50.0, max_instances=16)
+
+
+def _fig14_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
+    base = RunSpec(
+        "llumnix",
+        "L-L",
+        requests=requests,
+        seed=seed,
+        profile=profile,
+        instances=AUTOSCALING_INITIAL_INSTANCES,
+        autoscaling=_autoscaling(),
+    )
+    specs = [
+        replace(base, policy=p, rate=r, label="rate") for r in FIG14_RATES for p in ("llumnix", "infaas++")
+    ]
+    specs += [
+        replace(base, policy=p, rate=2.0, cv=cv, label="cv")
+        for cv in FIG14_CVS
+        for p in ("llumnix", "infaas++")
+    ]
+    return specs
+
+
+def _fig14_report(results: Results, out: Path) -> list[str]:
+    sections = []
+    panels = []
+    for sweep, axis in (("rate", "rate"), ("cv", "cv")):
+        rows = []
+        points: dict[float, dict[str, dict]] = {}
+        for spec, result in results:
+            if spec.label != sweep:
+                continue
+            x = spec.rate if sweep == "rate" else spec.cv
+            summary = result.summary()
+            points.setdefault(x, {})[spec.policy] = summary
+            rows.append(
+                [
+                    x,
+                    spec.policy,
+                    summary["prefill_mean"],
+                    summary["prefill_p99"],
+                    summary["e2e_mean"],
+                    summary["avg_instances"],
+                    summary["migrations"],
+                ]
+            )
+        for x, point in points.items():
+            ours, theirs = point["llumnix"], point["infaas++"]
+            rows.append(
+                [
+                    x,
+                    "infaas++/llumnix",
+                    _ratio(theirs["prefill_mean"], ours["prefill_mean"]),
+                    _ratio(theirs["prefill_p99"], ours["prefill_p99"]),
+                    _ratio(theirs["e2e_mean"], ours["e2e_mean"]),
+                    f"{100 * (1 - ours['avg_instances'] / theirs['avg_instances']):+.0f}% cost",
+                    "",
+                ]
+            )
+        sections.append(f"Sweep over {axis} (L-L, autoscaling [10, 60], at most 16 instances):")
+        sections.append(
+            markdown_table(
+                [axis, "policy", "prefill mean", "prefill p99", "e2e mean", "instances", "migrations"], rows
+            )
+        )
+        for metric in ("prefill_p99", "avg_instances"):
+            series = {
+                policy: (list(points), [point[policy][metric] for point in points.values()])
+                for policy in ("llumnix", "infaas++")
+            }
+            panels.append((f"{metric} vs {axis}", "s" if metric != "avg_instances" else "instances", series))
+    line_grid(out / "fig14_autoscaling.png", panels, columns=4, xlabel="rate (req/s) | CV")
+    return [
+        "Autoscaling (paper Fig. 14). The cost column is Llumnix's saving in average instances.",
+        *sections,
+        "![autoscaling](fig14_autoscaling.png)",
+    ]
+
+
+def _fig15_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
+    return [
+        RunSpec(
+            policy,
+            "L-L",
+            2.0,
+            requests=requests,
+            seed=seed,
+            profile=profile,
+            instances=AUTOSCALING_INITIAL_INSTANCES,
+            autoscaling=_autoscaling(t),
+            label=f"t={t:g}",
+        )
+        for t in FIG15_LOWER_BOUNDS
+        for policy in ("llumnix", "infaas++")
+    ]
+
+
+def _fig15_report(results: Results, out: Path) -> list[str]:
+    rows = []
+    curves: dict[str, tuple[list[float], list[float]]] = {"llumnix": ([], []), "infaas++": ([], [])}
+    for spec, result in results:
+        summary = result.summary()
+        assert spec.autoscaling is not None
+        rows.append(
+            [spec.autoscaling.scale_up_below, spec.policy, summary["prefill_p99"], summary["avg_instances"]]
+        )
+        curves[spec.policy][0].append(summary["avg_instances"])
+        curves[spec.policy][1].append(summary["prefill_p99"])
+    line_grid(
+        out / "fig15_thresholds.png",
+        [("P99 prefill vs cost", "P99 prefill (s)", curves)],
+        columns=1,
+        xlabel="average instances",
+        log_y=True,
+    )
+    return [
+        "Threshold sweep [t, t+50] (paper Fig. 15), L-L at 2 req/s: cost against P99 prefill latency.",
+        markdown_table(["t", "policy", "prefill p99", "avg instances"], rows),
+        "![thresholds](fig15_thresholds.png)",
+    ]
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        Experiment("fig11", "Serving: real-like and generated traces", 2000, _fig11_specs, _fig11_report),
+        Experiment("fig12", "Fragmentation over time", 4000, _fig12_specs, _fig12_report),
+        Experiment("fig13", "Priorities over a CV sweep", 4000, _fig13_specs, _fig13_report),
+        Experiment("fig14", "Autoscaling over rate and CV sweeps", 2000, _fig14_specs, _fig14_report),
+        Experiment("fig15", "Autoscaling threshold sweep", 2000, _fig15_specs, _fig15_report),
+    )
+}
+
+
+def run_experiment(
+    name: str,
+    out: Path,
+    requests: int | None = None,
+    seed: int = 0,
+    profile: str = DEFAULT_PROFILE,
+    jobs: int = 1,
+) -> Path:
+    """Run a preset, write `report.md` and its PNGs into `out`; return the report's path."""
+    experiment = EXPERIMENTS[name]
+    count = requests or experiment.default_requests
+    if count < 1:
+        raise ValueError("--requests must be at least 1")
+    specs: Sequence[RunSpec] = experiment.specs(count, seed, profile)
+    results = simulate_many(specs, jobs=jobs, description=name)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = experiment.report(list(zip(specs, results, strict=True)), out)
+    command = f"llumnix simulate --experiment {name} --requests {count} --seed {seed} --out {out}"
+    text = "\n\n".join([f"# {name}: {experiment.title}", f"`{command}`", *sections]) + "\n"
+    report = out / "report.md"
+    report.write_text(text, encoding="utf-8")
+    return report

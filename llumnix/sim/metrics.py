@@ -1,0 +1,125 @@
+"""Metrics of one simulated run (paper §6.1): latencies, preemption loss, fragmentation, cost.
+
+- prefill latency: first token - arrival; decode latency: mean time per generated token after the
+  first (requests with one output token have none); end-to-end: finish - arrival. Mean and P99.
+- preemption loss: time between a preemption and the end of the recompute that resumes the request
+  (extra queuing plus recompute), summed per request and averaged over all requests.
+- fragmentation (§6.3): at each sample, the part of the cluster's free memory that could serve the
+  instances' memory-blocked head-of-line requests if memory were not split across instances (the
+  smallest demands first), as a fraction of the cluster's total memory.
+- average instances: time-weighted count of instances that exist (starting and draining ones
+  included), from the first arrival's time origin to the last finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llumnix.sim.request import SimRequest
+
+SUMMARY_KEYS = (
+    "prefill_mean",
+    "prefill_p99",
+    "decode_mean",
+    "decode_p99",
+    "e2e_mean",
+    "e2e_p99",
+    "preemption_loss",
+    "fragmentation_mean",
+    "avg_instances",
+    "migrations",
+    "finished",
+)
+
+
+def fragmented_blocks(free_blocks: int, blocked_demands: Sequence[int]) -> int:
+    """Blocks of `free_blocks` (the cluster's free memory) that could serve the blocked head-of-line
+    demands, smallest first, if they were in one place: 8 free, demands 3, 3, 3 -> 6."""
+    served = 0
+    for demand in sorted(blocked_demands):
+        if served + demand > free_blocks:
+            break
+        served += demand
+    return served
+
+
+@dataclass
+class SimResult:
+    system: str
+    requests: list[SimRequest]
+    duration: float
+    """Virtual seconds until the last request finished."""
+    avg_instances: float
+    fragmentation_times: list[float] = field(default_factory=list)
+    fragmentation: list[float] = field(default_factory=list)
+    instance_times: list[float] = field(default_factory=list)
+    instance_counts: list[int] = field(default_factory=list)
+    migration_downtimes: list[float] = field(default_factory=list)
+    migrations_aborted: int = 0
+    migration_stages: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    events: int = 0
+    wall_seconds: float = 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        """The run's headline numbers (seconds for times); keys SUMMARY_KEYS and a few more."""
+        stats: dict[str, float | int] = dict(latency_summary(self.requests))
+        stats["fragmentation_mean"] = float(np.mean(self.fragmentation)) if self.fragmentation else 0.0
+        stats["avg_instances"] = self.avg_instances
+        stats["migrations"] = len(self.migration_downtimes)
+        stats["migrations_aborted"] = self.migrations_aborted
+        downtimes = np.asarray(self.migration_downtimes)
+        stats["downtime_mean"] = float(downtimes.mean()) if downtimes.size else 0.0
+        stats["downtime_p99"] = float(np.percentile(downtimes, 99)) if downtimes.size else 0.0
+        stats["migration_stages_mean"] = (
+            float(np.mean(self.migration_stages)) if self.migration_stages else 0.0
+        )
+        stats["preemptions"] = self.preemptions
+        stats["duration"] = self.duration
+        return stats
+
+
+def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
+    """Latency statistics over finished requests (an empty selection gives zeros)."""
+    done = [r for r in requests if r.finish_time >= 0]
+    if not done:
+        return {
+            key: 0.0
+            for key in (
+                "prefill_mean",
+                "prefill_p99",
+                "decode_mean",
+                "decode_p99",
+                "e2e_mean",
+                "e2e_p99",
+                "preemption_loss",
+            )
+        } | {"finished": 0}
+    arrival = np.array([r.arrival_time for r in done])
+    first = np.array([r.first_token_time for r in done])
+    finish = np.array([r.finish_time for r in done])
+    outputs = np.array([r.output_tokens for r in done])
+    prefill = first - arrival
+    e2e = finish - arrival
+    multi = outputs > 1
+    decode = (finish[multi] - first[multi]) / (outputs[multi] - 1)
+    return {
+        "prefill_mean": float(prefill.mean()),
+        "prefill_p99": float(np.percentile(prefill, 99)),
+        "decode_mean": float(decode.mean()) if decode.size else 0.0,
+        "decode_p99": float(np.percentile(decode, 99)) if decode.size else 0.0,
+        "e2e_mean": float(e2e.mean()),
+        "e2e_p99": float(np.percentile(e2e, 99)),
+        "preemption_loss": float(np.mean([r.preemption_loss for r in done])),
+        "finished": len(done),
+    }
+
+
+def class_summaries(result: SimResult) -> dict[str, dict[str, float | int]]:
+    """Latency statistics of the trace's high-priority and normal requests separately."""
+    high = [r for r in result.requests if r.trace_high_priority]
+    normal = [r for r in result.requests if not r.trace_high_priority]
+    return {"high": latency_summary(high), "normal": latency_summary(normal)}

@@ -1,0 +1,57 @@
+"""The serving systems the simulator compares, and its one default configuration.
+
+A system is a dispatch policy plus whether it migrates and whether it honours priorities; every
+decision it makes comes from `llumnix.policies`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llumnix.load import DEFAULT_LOAD_MODEL, LoadModelConfig
+from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.migration import MigrationConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSpec:
+    name: str
+    dispatch: str
+    """A `llumnix.policies.dispatch` policy name."""
+    migration: bool
+    priorities: bool
+    """Whether high-priority requests are scheduled as such (otherwise all are normal)."""
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    "llumnix": SystemSpec("llumnix", "llumnix", migration=True, priorities=True),
+    "llumnix-base": SystemSpec("llumnix-base", "llumnix", migration=True, priorities=False),
+    "infaas++": SystemSpec("infaas++", "infaas++", migration=False, priorities=False),
+    "round-robin": SystemSpec("round-robin", "round-robin", migration=False, priorities=False),
+    "least-requests": SystemSpec("least-requests", "least-requests", migration=False, priorities=False),
+}
+
+
+def system(name: str) -> SystemSpec:
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(SYSTEMS)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything but the trace, the system and the instance count. The defaults are the single
+    configuration every preset and experiment uses (docs/simulator.md)."""
+
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    migration_interval_s: float = 0.1
+    """Migration pairing period (ARCHITECTURE.md: intervalMs 100); fragmentation is sampled with it."""
+    max_migration_stages: int = 8
+    """Stage bound: the stage after this many copies is the final one whatever the delta."""
+    autoscaling: AutoscalingConfig | None = None
+    """None: a fixed number of instances."""
+    chunked_prefill: bool = False
+    watermark: float = 0.01
+    load_model: LoadModelConfig = DEFAULT_LOAD_MODEL
+    dispatch_top_k: int = 1

@@ -1,0 +1,55 @@
+"""`llumnix simulate` as a user runs it: the --json keys, the table, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from llumnix.sim import cli
+from llumnix.sim.metrics import SUMMARY_KEYS
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_json_has_every_key_per_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    argv = [
+        "--trace",
+        "M-M",
+        "--rate",
+        "7.5",
+        "--instances",
+        "4",
+        "--requests",
+        "150",
+        "--policies",
+        "llumnix,infaas++,round-robin",
+        "--seed",
+        "0",
+        "--json",
+        str(out),
+    ]
+    assert run(argv) == 0
+    results = json.loads(out.read_text())
+    assert list(results) == ["llumnix", "infaas++", "round-robin"]
+    for summary in results.values():
+        assert set(SUMMARY_KEYS) <= set(summary)
+        assert summary["finished"] == 150 and summary["avg_instances"] == pytest.approx(4.0)
+    assert "prefill p99" in capsys.readouterr().out
+
+
+def test_unknown_policy_is_a_message_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--policies", "llumnix,fastest", "--requests", "10"]) == 2
+    assert "unknown policy fastest" in capsys.readouterr().err
+
+
+def test_experiment_needs_an_output_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--experiment", "fig12"]) == 2
+    assert "--out" in capsys.readouterr().err
