@@ -11,6 +11,7 @@ from llumnix.load import (
     aggregate_freeness,
     batch_size,
     blocks_for_tokens,
+    dispatch_freeness,
     freeness,
     head_of_line_demand,
     high_priority_headroom,
@@ -141,3 +142,30 @@ def test_with_pending_appends_to_queue() -> None:
     # Pending requests behind the head of line change batch size but not head-of-line demand.
     assert head_of_line_demand(pending) == 1
     assert freeness(with_pending(inst(), [req("p", 160)])) == pytest.approx((100 - 10) / 1)
+
+
+def test_dispatch_freeness_counts_the_whole_queue_and_the_new_request() -> None:
+    load = inst(
+        free=60,
+        running=[req("r1", 300, blocks=20), req("r2", 310, blocks=20)],
+        waiting=[req("w1", 50), req("w2", 100)],
+    )
+    # used 40 + queued 4 + 7 = 51 over 2 running + 2 queued.
+    assert dispatch_freeness(load) == pytest.approx((100 - 51) / 4)
+    # A new 160-token request adds 10 blocks and one to the batch.
+    assert dispatch_freeness(load, req("new", 160)) == pytest.approx((100 - 61) / 5)
+
+
+def test_dispatch_freeness_prefers_room_over_a_small_batch() -> None:
+    # Two huge requests nearly fill `full`; `roomy` has many small ones but the memory.
+    full = inst("full", free=11, running=[req("h1", 700, blocks=45), req("h2", 700, blocks=44)])
+    roomy = inst("roomy", free=60, running=[req(f"s{i}", 60, blocks=4) for i in range(10)])
+    big = req("new", 320)  # 20 blocks
+    assert freeness(full) > freeness(roomy)  # by plain freeness `full` looks freer
+    assert dispatch_freeness(full, big) < 0 < dispatch_freeness(roomy, big)
+
+
+def test_dispatch_freeness_of_high_priority_and_draining() -> None:
+    load = inst(total=200, free=200)
+    assert dispatch_freeness(load, req("hp", 16, high_priority=True)) == pytest.approx((200 - 1 - 100) / 1)
+    assert dispatch_freeness(inst(draining=True), req("x", 16)) == -math.inf
