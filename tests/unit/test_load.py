@@ -158,7 +158,7 @@ def test_dispatch_freeness_counts_the_whole_queue_and_the_new_request() -> None:
 
 def test_dispatch_freeness_prefers_room_over_a_small_batch() -> None:
     # Two huge requests nearly fill `full`; `roomy` has many small ones but the memory.
-    full = inst("full", free=11, running=[req("h1", 700, blocks=45), req("h2", 700, blocks=44)])
+    full = inst("full", free=15, running=[req("h1", 700, blocks=43), req("h2", 700, blocks=42)])
     roomy = inst("roomy", free=60, running=[req(f"s{i}", 60, blocks=4) for i in range(10)])
     big = req("new", 320)  # 20 blocks
     assert freeness(full) > freeness(roomy)  # by plain freeness `full` looks freer
