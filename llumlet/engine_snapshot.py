@@ -8,15 +8,15 @@ part stays off the engine step. Nothing here imports vLLM: the sim engine and th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from llumlet.snapshots import SNAPSHOT_SCHEMA_VERSION
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
 
 
 class RequestRow(NamedTuple):
-    """One request as the engine holds it at capture time. The hot path builds these with
+    """One request as the engine holds it at capture time. `capture_rows` builds these with
     `tuple.__new__(RequestRow, ...)`, which skips NamedTuple's slower constructor."""
 
     request_id: str
@@ -39,6 +39,38 @@ class EngineState:
     free_blocks: int
     preemptions_total: int
     requests: Sequence[RequestRow]
+
+
+_new_row = tuple.__new__
+
+
+def capture_rows(
+    tracked: Iterable[tuple[str, tuple[str, Any]]],
+    scheduled: Mapping[str, int],
+    blocks_of: Callable[[str], int],
+    running_status: object,
+    preempted_status: object,
+) -> list[RequestRow]:
+    """Rows for `(engine id, (llumlet id, request))` pairs of vLLM `Request`s (duck-typed).
+
+    `scheduled` holds the tokens scheduled this step: their KV is valid once the step's forward ran,
+    which is when the llumlet reads the snapshot.
+    """
+    return [
+        _new_row(RequestRow, (
+            key,
+            engine_id,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            req.num_computed_tokens + scheduled.get(engine_id, 0),
+            blocks_of(engine_id),
+            bool((req.kv_transfer_params or {}).get("high_priority")),
+            req.arrival_time,
+            req.status != running_status,
+            req.status == preempted_status,
+        ))
+        for engine_id, (key, req) in tracked
+    ]
 
 
 def waiting_order(rows: Sequence[RequestRow]) -> list[RequestRow]:

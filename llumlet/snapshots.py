@@ -53,7 +53,15 @@ class SnapshotSubscriber:
     async def receive(self, timeout_s: float) -> EngineSnapshot | None:
         if not await self._sock.poll(timeout=int(timeout_s * 1000)):
             return None
-        snapshot = EngineSnapshot.FromString(await self._sock.recv())
+        payload = await self._sock.recv()
+        # Messages queued before the conflating queue (the publisher's pipe) can still be older than
+        # what follows them: drain to the newest.
+        while True:
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK).result()
+            except zmq.Again:
+                break
+        snapshot = EngineSnapshot.FromString(payload)
         if snapshot.schema_version != SNAPSHOT_SCHEMA_VERSION:
             raise ValueError(
                 f"engine snapshot schema {snapshot.schema_version} is not {SNAPSHOT_SCHEMA_VERSION}"

@@ -13,6 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "llumlet": ("llumlet.cli", "run the llumlet sidecar next to one engine (load, gRPC API, OpenAI front)"),
     "make-tiny-model": ("llumnix.tiny_model", "build a small random LLaMA + tokenizer locally (no hub)"),
     "sim-engine": ("llumnix.sim_engine.cli", "simulated engine: vLLM's OpenAI API + load snapshots, no GPU"),
+    "router": ("llumnix.router.cli", "OpenAI-compatible gateway dispatching over llumlets by live load"),
+    "bench": ("llumnix.bench", "replay a trace against an OpenAI endpoint; latency report, JSON and PNG"),
 }
 
 

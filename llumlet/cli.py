@@ -1,0 +1,71 @@
+"""Run the llumlet sidecar next to one engine: it fronts the engine's OpenAI API, computes the
+instance's live load from the engine's snapshots and serves the llumlet gRPC API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+
+from llumlet.jsonlog import configure_json_logging
+from llumlet.server import Llumlet, LlumletConfig
+from llumlet.snapshots import SNAPSHOT_ADDR_ENV
+from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instance-id", default=os.environ.get("LLUMNIX_INSTANCE_ID", socket.gethostname()),
+                        help="name of this instance in loads and logs (default: $LLUMNIX_INSTANCE_ID "
+                             "or the host name)")
+    parser.add_argument("--engine-url", default="http://127.0.0.1:8000",
+                        help="the engine's OpenAI HTTP server (default: %(default)s)")
+    parser.add_argument("--snapshot-addr", default=os.environ.get(SNAPSHOT_ADDR_ENV),
+                        help=f"ZeroMQ address the engine's connector publishes snapshots on "
+                             f"(default: ${SNAPSHOT_ADDR_ENV})")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--http-port", type=int, default=8100,
+                        help="OpenAI API, /health and /metrics (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=int, default=50051,
+                        help="llumlet gRPC API (default: %(default)s)")
+    parser.add_argument("--snapshot-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="fall back to the engine's /metrics when no snapshot arrives for this long "
+                             "while the engine has work (default: %(default)s)")
+    parser.add_argument("--engine-check-interval", type=float, default=0.5, metavar="SECONDS",
+                        help="how often the engine's /health and /metrics are polled (default: %(default)s)")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may run on (default: %(default)s)")
+    parser.add_argument("--engine-priority-scheduling", action="store_true",
+                        help="the engine runs with --scheduling-policy priority: pass high priority on")
+    parser.add_argument("--high-priority-target-tokens", type=int,
+                        default=DEFAULT_HIGH_PRIORITY_TARGET_TOKENS,
+                        help="tokens an instance with high-priority requests is kept near "
+                             "(default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.snapshot_addr:
+        print(f"llumlet: --snapshot-addr or ${SNAPSHOT_ADDR_ENV} is required", file=sys.stderr, flush=True)
+        return 2
+    configure_json_logging(args.instance_id, args.log_level)
+    config = LlumletConfig(
+        instance_id=args.instance_id,
+        engine_url=args.engine_url,
+        snapshot_addr=args.snapshot_addr,
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        snapshot_timeout_s=args.snapshot_timeout,
+        engine_check_interval_s=args.engine_check_interval,
+        shutdown_grace_s=args.shutdown_grace,
+        engine_priority_scheduling=args.engine_priority_scheduling,
+        high_priority_target_tokens=args.high_priority_target_tokens,
+    )
+    try:
+        asyncio.run(Llumlet(config).serve_until_signal())
+    except OSError as exc:
+        print(f"llumlet: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0

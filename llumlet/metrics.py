@@ -1,0 +1,68 @@
+"""The llumlet's Prometheus metrics (served on its HTTP port at /metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llumnix.wire import LoadReport
+
+PREFIX = "llumnix_llumlet"
+
+
+class _LoadCollector(Collector):
+    """Load gauges computed at scrape time from the newest report."""
+
+    def __init__(self, instance_id: str, current_report: Callable[[], LoadReport | None]) -> None:
+        self._instance_id = instance_id
+        self._current_report = current_report
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        report = self._current_report()
+        if report is None:
+            return
+        load = report.load
+        values = {
+            "freeness": ("Blocks of headroom per batched request (-Inf while draining)", report.freeness),
+            "virtual_usage_blocks": ("Virtual usage in KV blocks (+Inf while draining)",
+                                     report.virtual_usage),
+            "free_blocks": ("Free KV blocks reported by the engine", load.free_blocks),
+            "total_blocks": ("Total KV blocks of the engine", load.total_blocks),
+            "running_requests": ("Requests the engine is running", len(load.running)),
+            "waiting_requests": ("Requests queued (engine queue and admitted-not-yet-queued)",
+                                 len(load.waiting)),
+            "snapshot_age_seconds": ("Age of the engine observation behind the load", report.snapshot_age_s),
+            "draining": ("1 while the instance is draining", float(load.draining)),
+        }
+        for name, (doc, value) in values.items():
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["instance"])
+            family.add_metric([self._instance_id], float(value))
+            yield family
+        source = GaugeMetricFamily(f"{PREFIX}_load_source", "1 for the source of the current load",
+                                   labels=["instance", "source"])
+        source.add_metric([self._instance_id, report.source.value], 1.0)
+        yield source
+
+
+class LlumletMetrics:
+    def __init__(self, instance_id: str, current_report: Callable[[], LoadReport | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.admitted = Counter(f"{PREFIX}_admitted_requests", "Requests admitted",
+                                registry=self.registry)
+        self.finished = Counter(f"{PREFIX}_finished_requests", "Requests that left the llumlet",
+                                ["outcome"], registry=self.registry)
+        self.engine_ttft = Histogram(
+            f"{PREFIX}_engine_first_chunk_seconds",
+            "From admission to the engine's first streamed chunk (the engine's share of time to first token)",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+        self.refused = Counter(f"{PREFIX}_refused_requests",
+                               "Requests refused (draining, shutting down or engine down)",
+                               registry=self.registry)
+        self.registry.register(_LoadCollector(instance_id, current_report))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,213 @@
+"""The router's HTTP API: OpenAI `/v1/completions`, `/v1/chat/completions` (streaming and not),
+`/v1/models`, plus `/health` and `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler
+from llumnix.router.api_keys import ApiKeyChecker
+from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
+from llumnix.router.dispatcher import DispatchQueue
+from llumnix.router.errors import RouterError
+from llumnix.router.generation import ClientRequest, Generation, GenerationLimits
+from llumnix.router.instances import InstanceSet
+from llumnix.router.metrics import RouterMetrics
+from llumnix.router.stream_format import StreamFormat
+
+logger = logging.getLogger("llumnix.router.api")
+
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    model: str
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    priorities: PrioritySettings = field(default_factory=PrioritySettings)
+    generation: GenerationLimits = field(default_factory=GenerationLimits)
+
+
+def error_response(error: RouterError) -> web.Response:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return web.json_response(error.body, status=error.status, headers=headers)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class RouterApi:
+    def __init__(self, settings: ApiSettings, queue: DispatchQueue, instances: InstanceSet,
+                 metrics: RouterMetrics, api_keys: ApiKeyChecker) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.instances = instances
+        self.metrics = metrics
+        self.api_keys = api_keys
+        self.accepting = True
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.limits.max_body_bytes, middlewares=[self._auth])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in UNAUTHENTICATED_PATHS or self.api_keys.allows(
+                request.headers.get("Authorization")):
+            return await handler(request)
+        return web.json_response({"error": {
+            "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, status=401)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, EndpointKind.COMPLETION)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, EndpointKind.CHAT)
+
+    async def _serve(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if not self.accepting:
+            return error_response(RouterError(503, "the router is shutting down; retry", retry_after_s=1.0))
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(RouterError(
+                413, f"request body exceeds {self.settings.limits.max_body_bytes} bytes"))
+        try:
+            client_request = parse_client_request(endpoint, raw, request.headers, self.settings.limits,
+                                                  self.settings.priorities)
+        except RouterError as exc:
+            return error_response(exc)
+        self.in_flight += 1
+        self.idle.clear()
+        self.metrics.in_flight.inc()
+        generation = Generation(client_request, self.queue, self.instances, self.metrics,
+                                self.settings.generation)
+        status = 500
+        try:
+            response, status = await self._respond(request, client_request, generation)
+            return response
+        finally:
+            self._finished(client_request, generation, status, arrival)
+
+    def _finished(self, client_request: ClientRequest, generation: Generation, status: int,
+                  arrival: float) -> None:
+        now = time.monotonic()
+        self.in_flight -= 1
+        self.metrics.in_flight.dec()
+        if self.in_flight == 0:
+            self.idle.set()
+        self.metrics.requests.labels(str(status), generation.instance_id).inc()
+        if status == 200:
+            self.metrics.e2e.observe(now - arrival)
+            if generation.first_token_at is not None:
+                self.metrics.ttft.observe(generation.first_token_at - arrival)
+                tokens = generation.out.tokens
+                if tokens > 1:
+                    self.metrics.tpot.observe((now - generation.first_token_at) / (tokens - 1))
+        logger.debug("request finished", extra={"request_id": client_request.request_id, "status": status,
+                                               "instance_id": generation.instance_id,
+                                               "tokens": generation.out.tokens})
+
+    async def _respond(self, request: web.Request, client_request: ClientRequest, generation: Generation
+                       ) -> tuple[web.StreamResponse, int]:
+        chunks = generation.chunks()
+        try:
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                error = RouterError(502, "the instance ended the response without output")
+                return error_response(error), error.status
+            except RouterError as exc:
+                return error_response(exc), exc.status
+            body = client_request.body
+            response_id = ("chatcmpl-" if client_request.endpoint is EndpointKind.CHAT else "cmpl-") \
+                + client_request.request_id.removeprefix("router-")
+            if body.get("stream"):
+                return await self._stream(request, client_request, generation, first, chunks, response_id)
+            assembler = ResponseAssembler(client_request.endpoint, response_id,
+                                          bool(body.get("return_token_ids")))
+            try:
+                assembler.add(first)
+                async for chunk in chunks:
+                    assembler.add(chunk)
+            except RouterError as exc:
+                return error_response(exc), exc.status
+            assembler.usage = generation.final_usage()
+            assembler.model = generation.model or assembler.model
+            return web.json_response(assembler.response()), 200
+        finally:
+            await chunks.aclose()
+
+    async def _stream(self, request: web.Request, client_request: ClientRequest, generation: Generation,
+                      first: GenerationChunk, chunks: AsyncIterator[GenerationChunk], response_id: str
+                      ) -> tuple[web.StreamResponse, int]:
+        body = client_request.body
+        fmt = StreamFormat(client_request.endpoint, response_id, int(time.time()),
+                           bool(body.get("return_token_ids")))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        status = 200
+        try:
+            await response.write(_sse(fmt.chunk(first, generation.model)))
+            try:
+                async for chunk in chunks:
+                    await response.write(_sse(fmt.chunk(chunk, generation.model)))
+            except RouterError as exc:
+                # After the first byte a failure travels as an error event, as vLLM sends it.
+                status = exc.status
+                await response.write(_sse(exc.body))
+            else:
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    await response.write(_sse(fmt.usage(generation.final_usage(), generation.model)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            status = 499  # the client went away; closing the generator aborts the request
+        return response, status
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model: dict[str, Any] = {"id": self.settings.model, "object": "model", "created": int(time.time()),
+                                 "owned_by": "llumnix", "root": self.settings.model, "parent": None}
+        if self.settings.generation.max_model_len is not None:
+            model["max_model_len"] = self.settings.generation.max_model_len
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ready = len(self.instances.dispatchable())
+        connected, total = self.instances.counts()
+        status = "shutting-down" if not self.accepting else ("ok" if ready else "no-instances")
+        return web.json_response({"status": status, "instances_ready": ready,
+                                  "instances_connected": connected, "instances": total,
+                                  "queue_length": len(self.queue),
+                                  "in_flight": self.in_flight}, status=200 if status == "ok" else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        connected, total = self.instances.counts()
+        self.metrics.instances.labels("connected").set(connected)
+        self.metrics.instances.labels("down").set(total - connected)
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain",
+                            headers={"X-Content-Type-Options": "nosniff"})
+

@@ -1,0 +1,136 @@
+"""Run the router: an OpenAI-compatible endpoint that dispatches every request to one of a service's
+llumlets by their live load, follows migrations and resumes requests whose instance failed.
+
+    llumnix router --model tiny --instances 10.0.0.5:50051,10.0.0.6:50051
+    llumnix router --service service.yaml --instances-file instances.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+from pathlib import Path
+
+from llumlet.jsonlog import configure_json_logging
+from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
+from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, POLICY_NAMES
+from llumnix.router.api import ApiSettings
+from llumnix.router.api_keys import API_KEYS_ENV, load_api_keys
+from llumnix.router.client_request import PrioritySettings, RequestLimits
+from llumnix.router.generation import GenerationLimits
+from llumnix.router.instance_source import (
+    FileInstanceSource,
+    InstanceSource,
+    ListInstanceSource,
+    parse_addresses,
+)
+from llumnix.router.server import Router, RouterConfig
+from llumnix.service_spec import SpecError, load_service_file
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--service", metavar="FILE",
+                        help="take the model name, port, dispatch policy and priority settings from an "
+                        "LLMService manifest (flags given explicitly win)")
+    parser.add_argument("--model", help="served model name (/v1/models); required without --service")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--instances", metavar="ADDRS", default="",
+                       help="llumlet gRPC addresses host:port, comma-separated")
+    where.add_argument("--instances-file", metavar="FILE", type=Path,
+                       help="file of llumlet gRPC addresses (one per line), re-read when it changes")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default: %(default)s)")
+    parser.add_argument("--port", type=int, help="HTTP port (default: the service's, or 8000)")
+    parser.add_argument("--dispatch-policy", choices=POLICY_NAMES, help="default: the service's, or llumnix")
+    parser.add_argument("--busy-freeness", type=float,
+                        help=f"below this freeness an instance is busy (default {DEFAULT_BUSY_FREENESS})")
+    parser.add_argument("--top-k", type=int, help="random choice among the k best instances (default 1)")
+    parser.add_argument("--high-priority-target-tokens", type=int,
+                        help=f"load model: load kept on instances with high-priority requests "
+                        f"(default {DEFAULT_HIGH_PRIORITY_TARGET_TOKENS})")
+    parser.add_argument("--priority-header", help="header whose value `high` marks high priority "
+                        "(default: x-llumnix-priority)")
+    parser.add_argument("--priority-field", default="priority",
+                        help="body field (`high`/`normal`/`low`) marking priority; removed before "
+                        "forwarding (default: %(default)s)")
+    parser.add_argument("--queue-size", type=int, default=1024,
+                        help="requests held while every instance is busy; beyond: 503 (default: %(default)s)")
+    parser.add_argument("--queue-timeout", type=float, default=60.0, metavar="S",
+                        help="longest wait in that queue before a 503 (default: %(default)s)")
+    parser.add_argument("--max-attempts", type=int, default=4,
+                        help="instances one request may be tried on (retries, replays, moves; default: "
+                        "%(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=8 << 20, help="default: %(default)s")
+    parser.add_argument("--max-tokens", type=int,
+                        help="largest max_tokens a client may ask for (default: any)")
+    parser.add_argument("--max-prompt-tokens", type=int,
+                        help="longest prompt (default: the engine's context)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="the engines' context length: reported in /v1/models and needed to resume "
+                        "chat requests without max_tokens")
+    parser.add_argument("--api-keys-file", type=Path,
+                        help=f"file of accepted API keys, one per line (also ${API_KEYS_ENV}, "
+                        "comma-separated); none: no authentication")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, how long in-flight requests may run on (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _first(*values: object) -> object:
+    return next(v for v in values if v is not None)
+
+
+def build_config(args: argparse.Namespace) -> RouterConfig:
+    spec: dict = load_service_file(args.service).spec if args.service else {}
+    dispatch = spec.get("dispatch", {})
+    priorities = spec.get("priorities", {})
+    model = args.model or spec.get("model", {}).get("name")
+    if not model:
+        raise ValueError("give --model (the served model name) or --service")
+    target = _first(args.high_priority_target_tokens, priorities.get("targetLoadTokens"),
+                    DEFAULT_HIGH_PRIORITY_TARGET_TOKENS)
+    api = ApiSettings(
+        model=model,
+        limits=RequestLimits(args.max_body_bytes, args.max_tokens, args.max_prompt_tokens),
+        priorities=PrioritySettings(str(_first(args.priority_header, priorities.get("header"),
+                                               "x-llumnix-priority")).lower(), args.priority_field),
+        generation=GenerationLimits(args.max_attempts, args.max_model_len),
+    )
+    return RouterConfig(
+        api=api,
+        host=args.host,
+        port=int(_first(args.port, spec.get("router", {}).get("port"), 8000)),  # type: ignore[call-overload]
+        dispatch_policy=str(_first(args.dispatch_policy, dispatch.get("policy"), "llumnix")),
+        busy_freeness=float(_first(args.busy_freeness, dispatch.get("busyFreeness"),  # type: ignore[arg-type]
+                                   DEFAULT_BUSY_FREENESS)),
+        top_k=int(_first(args.top_k, dispatch.get("topK"), 1)),  # type: ignore[call-overload]
+        load_model=LoadModelConfig(int(target)),  # type: ignore[call-overload]
+        queue_capacity=args.queue_size,
+        queue_timeout_s=args.queue_timeout,
+        api_keys=load_api_keys(args.api_keys_file),
+        shutdown_grace_s=args.shutdown_grace,
+    )
+
+
+def build_source(args: argparse.Namespace) -> InstanceSource:
+    if args.instances_file is not None:
+        source = FileInstanceSource(args.instances_file)
+        source.read()  # a missing or malformed file is a start-up error, not a silent empty service
+        return source
+    return ListInstanceSource(parse_addresses(args.instances))
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_json_logging(f"router-{socket.gethostname()}", args.log_level)
+    try:
+        config = build_config(args)
+        source = build_source(args)
+    except (ValueError, SpecError) as exc:
+        print(f"llumnix router: {exc}")
+        return 2
+    try:
+        asyncio.run(Router(config, source).serve_until_signal())
+    except OSError as exc:
+        print(f"llumnix router: {exc}")
+        return 1
+    return 0

@@ -1,0 +1,100 @@
+"""From a client's HTTP request to what the router dispatches: limits (body size, max_tokens, prompt
+length) with OpenAI-style 400s, priority (header, or a body field that is removed before forwarding)
+and the prompt-length estimate the in-flight accounting uses."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llumnix.openai_stream import EndpointKind
+from llumnix.router.errors import RouterError
+from llumnix.router.generation import ClientRequest
+
+BYTES_PER_TOKEN_ESTIMATE = 4
+"""As the llumlet estimates text prompts before the engine reports their length."""
+PRIORITY_VALUES = {"high": True, "normal": False, "low": False}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_body_bytes: int = 8 << 20
+    max_tokens: int | None = None
+    """Largest max_tokens / max_completion_tokens a client may ask for."""
+    max_prompt_tokens: int | None = None
+    """Token-id prompts are counted exactly, text at 4 bytes per token (the engine checks the exact
+    length against its context)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrioritySettings:
+    header: str = "x-llumnix-priority"
+    body_field: str = "priority"
+    """A string value (`high`, `normal`, `low`) is the router's and removed; vLLM's own integer
+    `priority` passes through unchanged."""
+
+
+def _prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
+    def text_tokens(text: str) -> int:
+        return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_ESTIMATE)
+
+    if endpoint is EndpointKind.CHAT:
+        total = 0
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += text_tokens(content)
+            elif isinstance(content, list):
+                total += sum(text_tokens(str(part.get("text") or "")) for part in content
+                             if isinstance(part, dict))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        return max(len(p) if isinstance(p, list) else text_tokens(str(p)) for p in prompt)
+    return 0
+
+
+def parse_client_request(endpoint: EndpointKind, raw: bytes, headers: Mapping[str, str],
+                         limits: RequestLimits, priorities: PrioritySettings) -> ClientRequest:
+    """Raises RouterError (400) for a body the router refuses; the engine validates the rest."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object")
+    if endpoint is EndpointKind.COMPLETION and body.get("prompt") in (None, "", []):
+        raise RouterError(400, "'prompt' is required", param="prompt")
+    if endpoint is EndpointKind.CHAT and not (isinstance(body.get("messages"), list) and body["messages"]):
+        raise RouterError(400, "'messages' must be a non-empty list", param="messages")
+    high_priority = headers.get(priorities.header, "").strip().lower() == "high"
+    field = body.get(priorities.body_field)
+    if isinstance(field, str):
+        if field.lower() not in PRIORITY_VALUES:
+            raise RouterError(400, f"'{priorities.body_field}' must be one of {', '.join(PRIORITY_VALUES)}",
+                              param=priorities.body_field)
+        high_priority = high_priority or PRIORITY_VALUES[field.lower()]
+        body = {k: v for k, v in body.items() if k != priorities.body_field}
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RouterError(400, f"'{key}' must be a positive integer", param=key)
+        if limits.max_tokens is not None and value > limits.max_tokens:
+            raise RouterError(400, f"'{key}' is {value}; this service allows at most {limits.max_tokens}",
+                              param=key)
+    prompt_tokens = _prompt_tokens(endpoint, body)
+    if limits.max_prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens:
+        param = "messages" if endpoint is EndpointKind.CHAT else "prompt"
+        raise RouterError(400, f"the prompt is about {prompt_tokens} tokens; this service allows at most "
+                          f"{limits.max_prompt_tokens}", param=param)
+    return ClientRequest(request_id=f"router-{uuid.uuid4().hex}", endpoint=endpoint, body=body,
+                         high_priority=high_priority, prompt_tokens_estimate=prompt_tokens)

@@ -1,0 +1,130 @@
+"""Choose an instance for a request: the shared dispatch policy over the instances' latest loads plus
+the router's in-flight accounting, and a bounded queue (priority, then arrival) that holds requests
+while every instance is busy."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from llumnix.load import RequestLoad
+from llumnix.policies.dispatch import DispatchPolicy
+from llumnix.router.errors import RouterError
+from llumnix.router.instances import Instance, InstanceSet
+from llumnix.router.metrics import RouterMetrics
+
+
+class Dispatcher:
+    def __init__(self, policy: DispatchPolicy, instances: InstanceSet, metrics: RouterMetrics | None = None
+                 ) -> None:
+        self.policy = policy
+        self.instances = instances
+        self.metrics = metrics
+
+    def dispatch(self, request: RequestLoad) -> Instance | None:
+        """The chosen instance, with the request reserved on it; None to hold the request (no
+        instance, or every instance busy while some of them has work that will finish)."""
+        started = time.perf_counter()
+        candidates = self.instances.dispatchable()
+        chosen = None
+        if candidates:
+            by_id = {}
+            loads = []
+            for instance in candidates:
+                load = instance.effective_load()
+                by_id[load.instance_id] = instance
+                loads.append(load)
+            decision = self.policy.choose(loads, request)
+            if decision is not None:
+                chosen = by_id[decision.instance_id]
+                if decision.all_busy and not chosen.is_idle():
+                    # Hold it, unless an instance has nothing to finish (then nothing would wake us:
+                    # a request too large for any idle instance goes there and the engine decides).
+                    chosen = next((i for i in candidates if i.is_idle()), None)
+        if chosen is not None:
+            chosen.reserve(request)
+        if self.metrics is not None:
+            self.metrics.dispatch_seconds.observe(time.perf_counter() - started)
+        return chosen
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: int
+    seq: int
+    request: RequestLoad = field(compare=False)
+    future: asyncio.Future[Instance] = field(compare=False)
+
+
+class DispatchQueue:
+    """Requests wait here while `Dispatcher.dispatch` holds them; `wake()` (after every load update,
+    release and membership change) dispatches from the head: high priority first, then arrival."""
+
+    def __init__(self, dispatcher: Dispatcher, capacity: int, timeout_s: float,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.capacity = capacity
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(1 for w in self._heap if not w.future.done())
+
+    def _update_gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_length.set(len(self))
+
+    async def acquire(self, request: RequestLoad, high_priority: bool) -> Instance:
+        """An instance with `request` reserved on it; RouterError 503 (with Retry-After) when the queue
+        is full or the request waited `timeout_s`."""
+        if not self._heap:
+            instance = self.dispatcher.dispatch(request)
+            if instance is not None:
+                return instance
+        if len(self) >= self.capacity:
+            raise RouterError(503, f"every instance is busy and {self.capacity} requests are already "
+                              "waiting; retry later", "ServiceUnavailableError", retry_after_s=1.0)
+        future: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, _Waiter(0 if high_priority else 1, next(self._seq), request, future))
+        self._update_gauge()
+        self.wake()
+        try:
+            done, _ = await asyncio.wait({future}, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                future.result().release(request.request_id)
+            future.cancel()
+            raise
+        finally:
+            self._update_gauge()
+        if not done:
+            future.cancel()
+            self._update_gauge()
+            raise RouterError(503, f"no instance could take the request within {self.timeout_s:g} s; "
+                              "retry later", "ServiceUnavailableError", retry_after_s=1.0)
+        return future.result()
+
+    def wake(self) -> None:
+        while self._heap:
+            head = self._heap[0]
+            if head.future.done():
+                heapq.heappop(self._heap)
+                continue
+            instance = self.dispatcher.dispatch(head.request)
+            if instance is None:
+                break
+            heapq.heappop(self._heap)
+            head.future.set_result(instance)
+        self._update_gauge()
+
+    def fail_all(self, error: RouterError) -> None:
+        for waiter in self._heap:
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+        self._heap.clear()
+        self._update_gauge()

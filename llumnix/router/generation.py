@@ -1,0 +1,202 @@
+"""One client request's output, served by one or more instances and spliced into one stream.
+
+- Before the first token: an instance that is unavailable (refusal, connection error) is skipped
+  for a while and the request is sent again through dispatch.
+- After the first token: if the instance fails, the request resumes on another instance by token
+  replay (`replay.py`); on `Moved` it continues at the destination the same way.
+- Splicing: replayed chunks lose what the client already has (prompt token ids, the chat role), and
+  usage is recomputed at the end, so the client sees one response and each token once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+
+from llumnix.load import RequestLoad
+from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
+from llumnix.router.dispatcher import DispatchQueue
+from llumnix.router.errors import RouterError
+from llumnix.router.instances import Instance, InstanceSet
+from llumnix.router.metrics import RouterMetrics
+from llumnix.router.replay import NotReplayable, remaining_max_tokens, replay_body
+from llumnix.v1 import llumlet_pb2 as pb
+from llumnix.wire import chunk_from_proto, endpoint_to_proto
+
+logger = logging.getLogger("llumnix.router.generation")
+
+RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+"""Failures of the instance (refused while draining or with its engine down, connection lost, server
+stopped) rather than of the request: try elsewhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    request_id: str
+    endpoint: EndpointKind
+    body: dict[str, Any]
+    """What is forwarded: the client's body minus the router's own fields."""
+    high_priority: bool
+    prompt_tokens_estimate: int
+
+
+@dataclass(slots=True)
+class _Output:
+    """What the client has been sent so far."""
+
+    prompt_token_ids: tuple[int, ...] = ()
+    generated: dict[int, list[int]] = field(default_factory=dict)
+    role_sent: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+    chunks_sent: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.generated.values())
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationLimits:
+    max_attempts: int = 4
+    """Instances one request may be sent to (retries, replays and moves together)."""
+    max_model_len: int | None = None
+
+
+class Generation:
+    def __init__(self, request: ClientRequest, queue: DispatchQueue, instances: InstanceSet,
+                 metrics: RouterMetrics, limits: GenerationLimits) -> None:
+        self.request = request
+        self.queue = queue
+        self.instances = instances
+        self.metrics = metrics
+        self.limits = limits
+        self.out = _Output()
+        self.usage: Usage | None = None
+        self.instance_id = "none"
+        """The instance that served the last part of the request."""
+        self.model = ""
+        self.first_token_at: float | None = None
+        self._replayed = False
+
+    def final_usage(self) -> Usage:
+        if self.usage is not None and not self._replayed:
+            return self.usage
+        return Usage(len(self.out.prompt_token_ids), self.out.tokens)
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        """The spliced output; raises RouterError when the request cannot be completed."""
+        endpoint, body = self.request.endpoint, self.request.body
+        target: Instance | None = None
+        for attempt in range(self.limits.max_attempts):
+            sub_id = self.request.request_id if attempt == 0 else f"{self.request.request_id}.{attempt}"
+            load = RequestLoad(sub_id, self.request.prompt_tokens_estimate + self.out.tokens,
+                               high_priority=self.request.high_priority, arrival_time=time.time())
+            if target is None:
+                instance = await self.queue.acquire(load, self.request.high_priority)
+            else:
+                instance, target = target, None
+                instance.reserve(load)
+            self.instance_id = instance.instance_id
+            moved: pb.Moved | None = None
+            failure: str | None = None
+            call = instance.stub.Generate(pb.GenerateRequest(
+                request_id=sub_id, endpoint=endpoint_to_proto(endpoint), body_json=json.dumps(body),
+                priority=pb.PRIORITY_HIGH if self.request.high_priority else pb.PRIORITY_NORMAL))
+            try:
+                async for message in call:
+                    if message.HasField("moved"):
+                        moved = message.moved
+                        break
+                    chunk = self._splice(chunk_from_proto(message.chunk))
+                    if chunk is not None:
+                        yield chunk
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RESUMABLE_CODES:
+                    raise RouterError.from_grpc(exc) from None
+                instance.mark_unavailable()
+                failure = f"{exc.code().name}: {exc.details()}"
+            finally:
+                call.cancel()
+                instance.release(sub_id)
+            if moved is None and failure is None:
+                if self._complete():
+                    instance.mark_available()
+                    return
+                failure = "the stream ended before the request finished"
+            resume = self._resume(moved, failure, instance)
+            if resume is None:
+                return
+            endpoint, body = resume
+            if moved is not None:
+                target = self.instances.connection(moved.address)
+        raise RouterError(503, f"the request failed on {self.limits.max_attempts} instances; retry later",
+                          "ServiceUnavailableError", retry_after_s=1.0)
+
+    def _complete(self) -> bool:
+        return bool(self.out.finished) and self.out.finished.issuperset(self.out.generated)
+
+    def _resume(self, moved: pb.Moved | None, failure: str | None, instance: Instance
+                ) -> tuple[EndpointKind, dict[str, Any]] | None:
+        """The endpoint and body to continue with; None when nothing is left to generate."""
+        log = {"request_id": self.request.request_id, "instance_id": instance.instance_id,
+               "tokens_sent": self.out.tokens}
+        if self.out.tokens == 0:
+            if moved is None:
+                self.metrics.retries.inc()
+                logger.info("retrying on another instance", extra={**log, "reason": failure})
+            else:
+                self.metrics.moves.inc()
+            return self.request.endpoint, self.request.body
+        generated = self.out.generated.get(0, [])
+        try:
+            if remaining_max_tokens(self.request.endpoint, self.request.body, len(self.out.prompt_token_ids),
+                                    len(generated), self.limits.max_model_len) <= 0:
+                self.out.finished.add(0)
+                return None
+            body = replay_body(self.request.endpoint, self.request.body, self.out.prompt_token_ids,
+                               generated, self.limits.max_model_len)
+        except NotReplayable as exc:
+            raise RouterError(503, f"the instance serving the request failed and it cannot be resumed: "
+                              f"{exc}", "ServiceUnavailableError") from None
+        self._replayed = True
+        if moved is None:
+            self.metrics.replays.inc()
+            logger.warning("resuming by token replay", extra={**log, "reason": failure})
+        else:
+            self.metrics.moves.inc()
+            logger.info("following a migrated request", extra={**log, "destination": moved.address})
+        return EndpointKind.COMPLETION, body
+
+    def _splice(self, chunk: GenerationChunk) -> GenerationChunk | None:
+        out = self.out
+        self.model = self.model or chunk.model
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.prompt_token_ids and not out.prompt_token_ids:
+            out.prompt_token_ids = chunk.prompt_token_ids
+            prompt_ids = chunk.prompt_token_ids
+        else:
+            prompt_ids = ()
+        role = chunk.role if chunk.role and chunk.index not in out.role_sent else ""
+        if role:
+            out.role_sent.add(chunk.index)
+        if chunk.token_ids:
+            out.generated.setdefault(chunk.index, []).extend(chunk.token_ids)
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+        if chunk.finish_reason is not None:
+            out.finished.add(chunk.index)
+            out.generated.setdefault(chunk.index, [])
+        spliced = replace(chunk, prompt_token_ids=prompt_ids, role=role, usage=None,
+                          model=self.model or chunk.model)
+        if not (spliced.token_ids or spliced.text or spliced.finish_reason or spliced.role
+                or spliced.extra_delta or spliced.prompt_token_ids or spliced.logprobs is not None):
+            return None
+        out.chunks_sent += 1
+        return spliced

@@ -1,0 +1,183 @@
+"""Conversions between the llumlet gRPC messages (proto/llumnix/v1/llumlet.proto) and the Python
+types the llumlet, the router and the operator compute with. Nothing else builds these messages
+field by field."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
+from llumnix.v1 import llumlet_pb2 as pb
+
+
+class LoadSource(str, enum.Enum):
+    CONNECTOR = "connector"
+    METRICS_FALLBACK = "metrics-fallback"
+
+
+_SOURCE_TO_PB = {LoadSource.CONNECTOR: pb.LOAD_SOURCE_CONNECTOR,
+                 LoadSource.METRICS_FALLBACK: pb.LOAD_SOURCE_METRICS_FALLBACK}
+_SOURCE_FROM_PB = {v: k for k, v in _SOURCE_TO_PB.items()}
+_ENDPOINT_TO_PB = {EndpointKind.COMPLETION: pb.ENDPOINT_COMPLETION, EndpointKind.CHAT: pb.ENDPOINT_CHAT}
+_ENDPOINT_FROM_PB = {v: k for k, v in _ENDPOINT_TO_PB.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """An instance's load as a llumlet reports it: the snapshot plus what it computed from it."""
+
+    load: InstanceLoad
+    freeness: float
+    virtual_usage: float
+    snapshot_age_s: float
+    source: LoadSource
+    sequence: int = 0
+
+
+def source_to_proto(source: LoadSource) -> int:
+    return _SOURCE_TO_PB[source]
+
+
+def source_from_proto(value: int) -> LoadSource:
+    try:
+        return _SOURCE_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown load source {value}") from None
+
+
+def endpoint_to_proto(endpoint: EndpointKind) -> int:
+    return _ENDPOINT_TO_PB[endpoint]
+
+
+def endpoint_from_proto(value: int) -> EndpointKind:
+    try:
+        return _ENDPOINT_FROM_PB[value]
+    except KeyError:
+        raise ValueError(f"unknown endpoint {value}; expected completion or chat") from None
+
+
+def request_load_to_proto(request: RequestLoad) -> pb.RequestLoad:
+    return pb.RequestLoad(
+        request_id=request.request_id,
+        prompt_tokens=request.prompt_tokens,
+        output_tokens=request.output_tokens,
+        blocks=request.blocks,
+        high_priority=request.high_priority,
+        arrival_time=request.arrival_time,
+        migrating=request.migrating,
+    )
+
+
+def request_load_from_proto(msg: pb.RequestLoad) -> RequestLoad:
+    return RequestLoad(
+        request_id=msg.request_id,
+        prompt_tokens=msg.prompt_tokens,
+        output_tokens=msg.output_tokens,
+        blocks=msg.blocks,
+        high_priority=msg.high_priority,
+        arrival_time=msg.arrival_time,
+        migrating=msg.migrating,
+    )
+
+
+def report_to_proto(report: LoadReport) -> pb.InstanceLoad:
+    load = report.load
+    return pb.InstanceLoad(
+        instance_id=load.instance_id,
+        total_blocks=load.total_blocks,
+        free_blocks=load.free_blocks,
+        block_size=load.block_size,
+        running=[request_load_to_proto(r) for r in load.running],
+        waiting=[request_load_to_proto(r) for r in load.waiting],
+        draining=load.draining,
+        preemptions=load.preemptions,
+        migrating_out=load.migrating_out,
+        migrating_in=load.migrating_in,
+        reserved_blocks=load.reserved_blocks,
+        timestamp=load.timestamp,
+        freeness=report.freeness,
+        virtual_usage=report.virtual_usage,
+        snapshot_age_s=report.snapshot_age_s,
+        source=source_to_proto(report.source),
+        sequence=report.sequence,
+    )
+
+
+def report_from_proto(msg: pb.InstanceLoad) -> LoadReport:
+    load = InstanceLoad(
+        instance_id=msg.instance_id,
+        total_blocks=msg.total_blocks,
+        free_blocks=msg.free_blocks,
+        block_size=msg.block_size,
+        running=tuple(request_load_from_proto(r) for r in msg.running),
+        waiting=tuple(request_load_from_proto(r) for r in msg.waiting),
+        draining=msg.draining,
+        preemptions=msg.preemptions,
+        migrating_out=msg.migrating_out,
+        migrating_in=msg.migrating_in,
+        reserved_blocks=msg.reserved_blocks,
+        timestamp=msg.timestamp,
+    )
+    return LoadReport(
+        load=load,
+        freeness=msg.freeness,
+        virtual_usage=msg.virtual_usage,
+        snapshot_age_s=msg.snapshot_age_s,
+        source=source_from_proto(msg.source),
+        sequence=msg.sequence,
+    )
+
+
+def load_from_proto(msg: pb.InstanceLoad) -> InstanceLoad:
+    """The policies' input (dispatch, migration, autoscaling) from a streamed load."""
+    return report_from_proto(msg).load
+
+
+def _json_or_empty(value: object) -> str:
+    return "" if value is None else json.dumps(value)
+
+
+def _from_json_or_none(text: str) -> object:
+    return json.loads(text) if text else None
+
+
+def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateChunk:
+    msg = pb.GenerateChunk(
+        index=chunk.index,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finish_reason=chunk.finish_reason or "",
+        stop_reason_json=_json_or_empty(chunk.stop_reason),
+        prompt_token_ids=chunk.prompt_token_ids,
+        model=chunk.model,
+        role=chunk.role,
+        logprobs_json=_json_or_empty(chunk.logprobs),
+        extra_delta_json=_json_or_empty(chunk.extra_delta or None),
+    )
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=chunk.usage.prompt_tokens,
+                                    completion_tokens=chunk.usage.completion_tokens,
+                                    total_tokens=chunk.usage.total_tokens))
+    return msg
+
+
+def chunk_from_proto(msg: pb.GenerateChunk) -> GenerationChunk:
+    usage = (Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens)
+             if msg.HasField("usage") else None)
+    stop_reason = _from_json_or_none(msg.stop_reason_json)
+    return GenerationChunk(
+        index=msg.index,
+        token_ids=tuple(msg.token_ids),
+        text=msg.text,
+        finish_reason=msg.finish_reason or None,
+        stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        model=msg.model,
+        usage=usage,
+        role=msg.role,
+        logprobs=_from_json_or_none(msg.logprobs_json),
+        extra_delta=json.loads(msg.extra_delta_json) if msg.extra_delta_json else {},
+    )

@@ -1,0 +1,392 @@
+"""The llumlet contract, on real engines: two engine + llumlet pairs per engine kind (CPU vLLM with
+the llumnix connector; the sim engine joins by adding one entry to ENGINE_KINDS).
+
+Pair "a" runs with the engine's default batch limit, pair "b" with at most two running requests so
+that requests queue. Tests share the pairs (module scope); the destructive ones (SIGTERM, engine
+death) come last and use pair "b".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+import pytest_asyncio
+
+from llumlet.engine_metrics import parse_engine_metrics
+from llumlet.pair import EnginePair, PairConfig
+from llumnix.load import blocks_for_tokens
+from llumnix.v1 import llumlet_pb2 as pb
+from llumnix.v1 import llumlet_pb2_grpc
+
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+
+ENGINE_KINDS = [
+    pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+        VLLM_MISSING, reason="vllm is not importable (install the cpu extra: bash scripts/setup.sh)")]),
+]
+
+pytestmark = pytest.mark.timeout(600)  # the first test also waits for two engines to start
+
+MAX_MODEL_LEN = 1024
+
+
+class Pairs:
+    def __init__(self, a: EnginePair, b: EnginePair) -> None:
+        self.a = a
+        self.b = b
+
+
+@pytest_asyncio.fixture(scope="module", params=ENGINE_KINDS, loop_scope="module")
+async def pairs(request: pytest.FixtureRequest, tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pairs]:
+    work = tmp_path_factory.mktemp(f"llumlet-{request.param}")
+    configs = [
+        PairConfig(instance_id="a", model_dir=tiny_model_dir, work_dir=work / "a", engine=request.param,
+                   max_model_len=MAX_MODEL_LEN, shutdown_grace_s=20.0),
+        PairConfig(instance_id="b", model_dir=tiny_model_dir, work_dir=work / "b", engine=request.param,
+                   max_model_len=MAX_MODEL_LEN, max_num_seqs=2, shutdown_grace_s=20.0),
+    ]
+    started = [EnginePair(c) for c in configs]
+    try:
+        await asyncio.gather(*(p.start() for p in started))
+        yield Pairs(*started)
+    finally:
+        await asyncio.gather(*(p.stop() for p in started), return_exceptions=True)
+
+
+def _body(pair: EnginePair, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": pair.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+
+
+def _prompt(seed: int, length: int = 24) -> list[int]:
+    return [(seed * 131 + i * 17) % 400 + 10 for i in range(length)]
+
+
+async def _load(pair: EnginePair) -> pb.InstanceLoad:
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel:
+        return await llumlet_pb2_grpc.LlumletStub(channel).GetLoad(pb.GetLoadRequest())
+
+
+async def _health(pair: EnginePair) -> pb.HealthResponse:
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel:
+        return await llumlet_pb2_grpc.LlumletStub(channel).Health(pb.HealthRequest(), timeout=5)
+
+
+async def _engine_metrics(session: aiohttp.ClientSession, pair: EnginePair) -> Any:
+    async with session.get(pair.engine_url + "/metrics") as response:
+        return parse_engine_metrics(await response.text())
+
+
+class StreamFailedError(Exception):
+    """A streamed response ended with an error event."""
+
+
+async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                    endpoint: str = "/v1/completions") -> list[int]:
+    """Token ids of the first choice, streaming or not (return_token_ids asked of both fronts)."""
+    body = {**body, "return_token_ids": True}
+    async with session.post(url + endpoint, json=body) as response:
+        assert response.status == 200, await response.text()
+        if not body.get("stream"):
+            return (await response.json())["choices"][0]["token_ids"]
+        tokens: list[int] = []
+        async for line in response.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise StreamFailedError(event["error"])
+                for choice in event["choices"]:
+                    tokens += choice.get("token_ids") or []
+        return tokens
+
+
+async def _generate(pair: EnginePair, body: dict[str, Any], request_id: str,
+                    endpoint: int = pb.ENDPOINT_COMPLETION) -> list[int]:
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel:
+        stub = llumlet_pb2_grpc.LlumletStub(channel)
+        tokens: list[int] = []
+        async for event in stub.Generate(pb.GenerateRequest(request_id=request_id, endpoint=endpoint,
+                                                            body_json=json.dumps(body))):
+            tokens += event.chunk.token_ids
+        return tokens
+
+
+async def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_reported_blocks_match_the_engines_own_metrics(pairs: Pairs) -> None:
+    async with aiohttp.ClientSession() as session:
+        for pair in (pairs.a, pairs.b):
+            running = asyncio.create_task(_complete(session, pair.llumlet.http_url,
+                                                    _body(pair, _prompt(1, 300), 400, stream=True)))
+            load = await _wait_for(lambda p=pair: _running_load(p), 60, "a running request in the load")
+            metrics = await _engine_metrics(session, pair)
+            assert load.source == pb.LOAD_SOURCE_CONNECTOR
+            assert abs(load.total_blocks - metrics.total_blocks) <= 1
+            assert abs(load.free_blocks - metrics.free_blocks) <= 1, (load.free_blocks, metrics)
+            assert load.block_size == metrics.block_size
+            assert load.total_blocks - load.free_blocks >= blocks_for_tokens(300, load.block_size)
+            running.cancel()  # the client goes away: the llumlet aborts the request on the engine
+            await asyncio.gather(running, return_exceptions=True)
+            await _wait_for(lambda p=pair: _idle_load(p), 30, "the abandoned request to leave")
+
+
+async def _running_load(pair: EnginePair) -> pb.InstanceLoad | None:
+    load = await _load(pair)
+    return load if load.running and load.running[0].output_tokens > 0 else None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_freeness_falls_with_admitted_requests_and_recovers_when_they_finish(pairs: Pairs) -> None:
+    pair = pairs.a
+    idle = await _wait_for(lambda: _idle_load(pair), 30, "an idle instance")
+    async with aiohttp.ClientSession() as session:
+        requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
+                                                  _body(pair, _prompt(i, 200), 60, stream=True)))
+                    for i in range(4)]
+        busy = await _wait_for(lambda: _load_with(pair, lambda load: len(load.running) == 4), 60,
+                               "four running requests")
+        assert busy.freeness < idle.freeness
+        assert busy.free_blocks < idle.free_blocks
+        assert {r.request_id for r in busy.running} == {r.request_id for r in busy.running
+                                                        if r.request_id.startswith("llumlet-")}
+        await asyncio.gather(*requests)
+    after = await _wait_for(lambda: _idle_load(pair), 30, "the instance to be idle again")
+    assert after.freeness == pytest.approx(idle.freeness)
+    assert after.free_blocks == idle.free_blocks
+
+
+async def _idle_load(pair: EnginePair) -> pb.InstanceLoad | None:
+    load = await _load(pair)
+    return load if load.total_blocks and not load.running and not load.waiting else None
+
+
+async def _load_with(pair: EnginePair, condition: Any) -> pb.InstanceLoad | None:
+    load = await _load(pair)
+    return load if condition(load) else None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_queued_requests_raise_virtual_usage_before_they_are_scheduled(pairs: Pairs) -> None:
+    pair = pairs.b  # at most two running: the others queue
+    async with aiohttp.ClientSession() as session:
+        requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
+                                                  _body(pair, _prompt(50 + i, 160), 40, stream=True)))
+                    for i in range(4)]
+        queued = await _wait_for(
+            lambda: _load_with(pair, lambda load: len(load.running) == 2 and load.waiting),
+            60, "two running and some queued requests")
+        used = queued.total_blocks - queued.free_blocks
+        head_of_line = blocks_for_tokens(queued.waiting[0].prompt_tokens, queued.block_size)
+        assert queued.waiting[0].blocks == 0
+        assert queued.virtual_usage == used + head_of_line
+        assert queued.virtual_usage > used
+        assert queued.freeness == pytest.approx((queued.total_blocks - used - head_of_line) / 3)
+        await asyncio.gather(*requests)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_concurrent_greedy_requests_return_the_engines_own_tokens(pairs: Pairs) -> None:
+    pair = pairs.a
+    bodies = [_body(pair, _prompt(100 + i, 16 + i), 24) for i in range(20)]
+    chat = {"model": pair.served_model_name, "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        direct = await asyncio.gather(*(_complete(session, pair.engine_url, b) for b in bodies))
+        direct_chat = await _complete(session, pair.engine_url, chat, "/v1/chat/completions")
+        via_http = await asyncio.gather(*(
+            _complete(session, pair.llumlet.http_url, {**b, "stream": i % 2 == 0})
+            for i, b in enumerate(bodies)))
+        via_chat = await _complete(session, pair.llumlet.http_url, {**chat, "stream": True},
+                                   "/v1/chat/completions")
+    via_grpc = await asyncio.gather(*(_generate(pair, b, f"grpc-{i}") for i, b in enumerate(bodies)))
+    grpc_chat = await _generate(pair, chat, "grpc-chat", pb.ENDPOINT_CHAT)
+    assert all(len(tokens) == 24 for tokens in direct)
+    assert via_http == direct
+    assert via_grpc == direct
+    assert via_chat == direct_chat == grpc_chat
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_malformed_requests_get_openai_errors_and_the_llumlet_survives(pairs: Pairs) -> None:
+    pair = pairs.a
+    url = pair.llumlet.http_url
+    cases: list[tuple[str, bytes]] = [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", json.dumps({"model": pair.served_model_name}).encode()),
+        ("/v1/completions", json.dumps(_body(pair, [1, 2], -5)).encode()),
+        ("/v1/completions", json.dumps({**_body(pair, [1, 2], 5), "model": "no-such-model"}).encode()),
+        ("/v1/completions", json.dumps(_body(pair, [1] * (MAX_MODEL_LEN + 10), 5)).encode()),
+        ("/v1/chat/completions", json.dumps({"model": pair.served_model_name, "messages": "hi"}).encode()),
+    ]
+    async with aiohttp.ClientSession() as session:
+        for path, payload in cases:
+            async with session.post(url + path, data=payload,
+                                    headers={"Content-Type": "application/json"}) as response:
+                body = await response.json()
+                assert 400 <= response.status < 500, (payload, response.status, body)
+                assert body["error"]["code"] == response.status
+                assert body["error"]["message"]
+        async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel:
+            stub = llumlet_pb2_grpc.LlumletStub(channel)
+            for request in (pb.GenerateRequest(request_id="bad-1", endpoint=pb.ENDPOINT_COMPLETION,
+                                               body_json="{"),
+                            pb.GenerateRequest(request_id="bad-2", body_json="{}"),
+                            pb.GenerateRequest(request_id="bad-3", endpoint=pb.ENDPOINT_COMPLETION,
+                                               body_json=json.dumps(_body(pair, [1, 2], -5)))):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(request):
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert json.loads(info.value.details())["error"]["code"] == 400
+        assert len(await _complete(session, url, _body(pair, [5, 6, 7], 4))) == 4
+    assert (await _health(pair)).status == pb.HEALTH_STATUS_SERVING
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_watch_load_pushes_changes_at_a_bounded_rate(pairs: Pairs) -> None:
+    pair = pairs.a
+    received: list[tuple[float, pb.InstanceLoad]] = []
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel, \
+            aiohttp.ClientSession() as session:
+        stream = llumlet_pb2_grpc.LlumletStub(channel).WatchLoad(pb.WatchLoadRequest())
+
+        async def collect() -> None:
+            async for load in stream:
+                received.append((time.monotonic(), load))
+
+        collector = asyncio.create_task(collect())
+        await asyncio.sleep(1.5)  # idle: heartbeats only
+        idle_count = len(received)
+        busy_from = time.monotonic()
+        await _complete(session, pair.llumlet.http_url, _body(pair, _prompt(7, 64), 80))
+        busy_s = time.monotonic() - busy_from
+        await asyncio.sleep(0.3)
+        stream.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+    assert 1 <= idle_count <= 3  # a heartbeat at least every second, nothing more while idle
+    busy = [load for t, load in received if t >= busy_from]
+    assert any(load.running for load in busy)
+    assert len(busy) <= (busy_s + 0.3) / 0.05 + 2  # at most one push per 50 ms however fast it steps
+    sequences = [load.sequence for _, load in received]
+    assert sequences == sorted(sequences)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_draining_refuses_requests_and_reports_infinite_usage(pairs: Pairs) -> None:
+    pair = pairs.a
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel, \
+            aiohttp.ClientSession() as session:
+        stub = llumlet_pb2_grpc.LlumletStub(channel)
+        assert (await stub.SetDraining(pb.SetDrainingRequest(draining=True))).draining
+        try:
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            assert load.draining and load.virtual_usage == math.inf and load.freeness == -math.inf
+            async with session.post(pair.llumlet.http_url + "/v1/completions",
+                                    json=_body(pair, [1, 2, 3], 4)) as response:
+                assert response.status == 503
+                assert "draining" in (await response.json())["error"]["message"]
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(pb.GenerateRequest(
+                        request_id="drained", endpoint=pb.ENDPOINT_COMPLETION,
+                        body_json=json.dumps(_body(pair, [1, 2, 3], 4)))):
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await stub.SetDraining(pb.SetDrainingRequest(draining=False))
+        assert len(await _complete(session, pair.llumlet.http_url, _body(pair, [1, 2, 3], 4))) == 4
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_abort_ends_a_running_generate(pairs: Pairs) -> None:
+    pair = pairs.a
+    body = _body(pair, _prompt(9, 32), 800)
+    async with grpc.aio.insecure_channel(pair.llumlet.grpc_address) as channel:
+        stub = llumlet_pb2_grpc.LlumletStub(channel)
+        tokens = 0
+        finish = ""
+        async for event in stub.Generate(pb.GenerateRequest(request_id="to-abort",
+                                                             endpoint=pb.ENDPOINT_COMPLETION,
+                                                             body_json=json.dumps(body))):
+            tokens += len(event.chunk.token_ids)
+            if tokens >= 5 and not finish:
+                assert (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).aborted
+                finish = "asked"
+            if event.chunk.finish_reason:
+                finish = event.chunk.finish_reason
+        assert finish == "abort"
+        assert tokens < 800
+        assert not (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).aborted
+    await _wait_for(lambda: _idle_load(pair), 30, "the aborted request to leave the engine")
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(pairs: Pairs) -> None:
+    pair = pairs.a
+    async with aiohttp.ClientSession() as session:
+        running = asyncio.create_task(_complete(session, pair.llumlet.http_url,
+                                                _body(pair, _prompt(3, 32), 80, stream=True)))
+        await _wait_for(lambda: _running_load(pair), 30, "the request to run")
+        pair.llumlet.signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        async with session.post(pair.llumlet.http_url + "/v1/completions",
+                                json=_body(pair, [1, 2, 3], 4)) as response:
+            assert response.status == 503
+        assert len(await running) == 80
+    assert await pair.llumlet.stop(timeout_s=10) == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_engine_death_makes_the_llumlet_unhealthy_and_fails_in_flight_requests(pairs: Pairs) -> None:
+    pair = pairs.b
+    async with aiohttp.ClientSession() as session:
+        http_request = asyncio.create_task(_complete(session, pair.llumlet.http_url,
+                                                     _body(pair, _prompt(4, 32), 900, stream=True)))
+        grpc_request = asyncio.create_task(_generate(pair, _body(pair, _prompt(5, 32), 900), "doomed"))
+        await _wait_for(lambda: _load_with(pair, lambda load: len(load.running) == 2), 30,
+                        "both requests to run")
+        killed_at = time.monotonic()
+        pair.kill_engine()
+        with pytest.raises(StreamFailedError) as failed:
+            await http_request
+        assert failed.value.args[0]["type"] == "EngineUnavailable"
+        assert failed.value.args[0]["code"] in (502, 503)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await grpc_request
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine" in json.loads(info.value.details())["error"]["message"]
+        health = await _wait_for(lambda: _unhealthy(pair), 10, "the llumlet to report the engine down")
+        assert time.monotonic() - killed_at < 5
+        assert not health.engine_healthy
+        async with session.get(pair.llumlet.http_url + "/health") as response:
+            assert response.status == 503
+        async with session.post(pair.llumlet.http_url + "/v1/completions",
+                                json=_body(pair, [1, 2, 3], 4)) as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == 503
+
+
+async def _unhealthy(pair: EnginePair) -> pb.HealthResponse | None:
+    health = await _health(pair)
+    return health if health.status == pb.HEALTH_STATUS_NOT_SERVING else None

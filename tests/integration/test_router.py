@@ -1,0 +1,212 @@
+"""The router in front of real llumlets and sim engines (processes), driven by the `openai` SDK and
+plain HTTP: OpenAI responses streaming and not, the burst spread, queueing with 503 Retry-After,
+limits, API keys, instances added and removed at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from llumnix.router.api import ApiSettings
+from llumnix.router.client_request import RequestLimits
+from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.server import Router, RouterConfig
+from llumnix.sim_engine.process import SimInstanceProcess
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "sim"
+ENGINE_FLAGS = ("--model", MODEL, "--time-scale", "5")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def instances(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[SimInstanceProcess]]:
+    work = tmp_path_factory.mktemp("router")
+    pairs = [SimInstanceProcess(f"sim-{i}", work, ENGINE_FLAGS) for i in range(3)]
+    for pair in pairs:
+        pair.launch()
+    try:
+        await asyncio.gather(*(p.wait_ready() for p in pairs))
+        yield pairs
+    finally:
+        await asyncio.gather(*(p.stop() for p in pairs))
+
+
+async def start_router(addresses: list[str], **overrides: object) -> Router:
+    api = overrides.pop("api", ApiSettings(model=MODEL))
+    router = Router(RouterConfig(api=api, host="127.0.0.1", port=0, **overrides),  # type: ignore[arg-type]
+                    ListInstanceSource(addresses))
+    await router.start()
+    for _ in range(100):
+        if len(router.instances.dispatchable()) == len(addresses):
+            break
+        await asyncio.sleep(0.05)
+    return router
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def router(instances: list[SimInstanceProcess]) -> AsyncIterator[Router]:
+    router = await start_router([p.grpc_address for p in instances])
+    yield router
+    await router.shutdown()
+
+
+async def direct_completion(instance: SimInstanceProcess, body: dict) -> dict:
+    async with aiohttp.ClientSession() as session, session.post(
+            instance.engine_url + "/v1/completions", json=body) as response:
+        return await response.json()
+
+
+async def test_openai_sdk_completions_and_chat_streaming_and_not(router: Router,
+                                                                 instances: list[SimInstanceProcess]) -> None:
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+    completion = await client.completions.create(model=MODEL, prompt="The router", max_tokens=12)
+    expected = await direct_completion(instances[0],
+                                       {"model": MODEL, "prompt": "The router", "max_tokens": 12})
+    assert completion.choices[0].text == expected["choices"][0]["text"]
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+    assert completion.usage.prompt_tokens == len("The router")
+
+    stream = await client.completions.create(model=MODEL, prompt="The router", max_tokens=12, stream=True,
+                                             stream_options={"include_usage": True})
+    pieces, usage = [], None
+    async for chunk in stream:
+        pieces.extend(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == completion.choices[0].text
+    assert usage is not None and usage.total_tokens == len("The router") + 12
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9)  # type: ignore[arg-type]
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert len(chat.choices[0].message.content or "") == 9
+    chat_stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9,  # type: ignore[arg-type]
+                                                       stream=True)
+    roles, content, finish = [], [], None
+    async for chunk in chat_stream:
+        for choice in chunk.choices:
+            roles.append(choice.delta.role)
+            content.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert roles.count("assistant") == 1
+    assert "".join(content) == chat.choices[0].message.content and finish == "length"
+
+    # the engine's own 4xx passes through unchanged, as an OpenAI error
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+
+
+async def test_a_burst_spreads_over_every_instance(router: Router) -> None:
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    results = await asyncio.gather(*(
+        client.completions.create(model=MODEL, prompt=f"burst {i}", max_tokens=40) for i in range(12)))
+    assert all(len(r.choices[0].text) == 40 for r in results)
+    served = collections.Counter()
+    for sample in router.metrics.requests.collect()[0].samples:
+        if sample.name.endswith("_total") and sample.labels["status"] == "200":
+            served[sample.labels["instance"]] += sample.value
+    assert len(served) == 3 and max(served.values()) - min(served.values()) <= 2, served
+
+
+async def test_limits_and_errors_are_openai_4xx(instances: list[SimInstanceProcess]) -> None:
+    api = ApiSettings(model=MODEL,
+                      limits=RequestLimits(max_body_bytes=4096, max_tokens=64, max_prompt_tokens=100))
+    router = await start_router([instances[0].grpc_address], api=api)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def post(body: object, raw: bytes | None = None) -> tuple[int, dict]:
+                data = raw if raw is not None else json.dumps(body).encode()
+                async with session.post(router.url + "/v1/completions", data=data,
+                                        headers={"Content-Type": "application/json"}) as response:
+                    return response.status, await response.json()
+
+            status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 65})
+            assert status == 400 and body["error"]["param"] == "max_tokens"
+            status, body = await post({"model": MODEL, "prompt": list(range(101))})
+            assert status == 400 and body["error"]["param"] == "prompt"
+            status, body = await post(None, raw=b"x" * 5000)
+            assert status == 413 and "4096 bytes" in body["error"]["message"]
+            status, body = await post(None, raw=b"{")
+            assert status == 400 and body["error"]["type"] == "BadRequestError"
+            status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 3})
+            assert status == 200 and len(body["choices"][0]["text"]) == 3
+    finally:
+        await router.shutdown()
+
+
+async def test_api_keys(instances: list[SimInstanceProcess]) -> None:
+    router = await start_router([instances[0].grpc_address], api_keys=(b"sk-good",))
+    try:
+        bad = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-bad")
+        with pytest.raises(openai.AuthenticationError) as err:
+            await bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+        good = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-good")
+        answer = await good.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert len(answer.choices[0].text) == 2
+        async with aiohttp.ClientSession() as session, session.get(router.url + "/health") as response:
+            assert response.status == 200  # health and metrics need no key
+    finally:
+        await router.shutdown()
+
+
+async def test_queue_503_and_instances_added_and_removed_at_run_time(
+        instances: list[SimInstanceProcess]) -> None:
+    router = await start_router([], queue_capacity=2, queue_timeout_s=30.0)
+    source = router.instances.source
+    assert isinstance(source, ListInstanceSource)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.url + "/health") as response:
+                assert response.status == 503 and (await response.json())["status"] == "no-instances"
+
+            async def complete(i: int) -> tuple[int, dict, dict]:
+                body = {"model": MODEL, "prompt": f"q{i}", "max_tokens": 4}
+                async with session.post(router.url + "/v1/completions", json=body) as response:
+                    return response.status, dict(response.headers), await response.json()
+
+            held = [asyncio.create_task(complete(i)) for i in range(2)]
+            await asyncio.sleep(0.3)
+            assert len(router.queue) == 2
+            status, headers, body = await complete(3)
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert body["error"]["type"] == "ServiceUnavailableError"
+
+            source.set_addresses([instances[1].grpc_address])  # an instance appears: the queue drains
+            for status, _, body in await asyncio.gather(*held):
+                assert status == 200 and len(body["choices"][0]["text"]) == 4
+            source.set_addresses([instances[2].grpc_address])  # and is replaced by another
+            await asyncio.sleep(0.5)
+            for _ in range(3):
+                status, _, _ = await complete(9)
+                assert status == 200
+        served = {s.labels["instance"] for s in router.metrics.requests.collect()[0].samples
+                  if s.name.endswith("_total") and s.labels["status"] == "200"}
+        assert served == {"sim-1", "sim-2"}
+    finally:
+        await router.shutdown()
+
+
+async def test_metrics_exposition(router: Router) -> None:
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    await client.completions.create(model=MODEL, prompt="m", max_tokens=5)
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/metrics") as response:
+        text = await response.text()
+    for name in ("llumnix_router_time_to_first_token_seconds_count",
+                 "llumnix_router_e2e_latency_seconds",
+                 "llumnix_router_time_per_output_token_seconds", "llumnix_router_requests_total",
+                 "llumnix_router_queue_length", "llumnix_router_dispatch_decision_seconds",
+                 "llumnix_router_replays_total", "llumnix_router_moves_followed_total",
+                 'llumnix_router_instances{state="connected"} 3.0'):
+        assert name in text, name

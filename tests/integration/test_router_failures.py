@@ -1,0 +1,183 @@
+"""Failures and moves behind the router, with real llumlets and sim engines (processes): a request is
+retried elsewhere before its first token, resumed by token replay when its engine dies mid-stream,
+and continued from the destination when its llumlet says it moved. The sim engine is deterministic,
+so the spliced output must equal an unfailed run token for token."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import openai
+import pytest
+import pytest_asyncio
+
+from llumnix.router.api import ApiSettings
+from llumnix.router.generation import GenerationLimits
+from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.server import Router, RouterConfig
+from llumnix.sim_engine.process import SimInstanceProcess
+from llumnix.v1 import llumlet_pb2 as pb
+from llumnix.v1 import llumlet_pb2_grpc
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "sim"
+ENGINE_FLAGS = ("--model", MODEL, "--time-scale", "2")
+PROMPT = "Resume me exactly"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def instances(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[SimInstanceProcess]]:
+    work = tmp_path_factory.mktemp("router-failures")
+    pairs = [SimInstanceProcess(f"f-{i}", work, ENGINE_FLAGS) for i in range(4)]
+    for pair in pairs:
+        pair.launch()
+    try:
+        await asyncio.gather(*(p.wait_ready() for p in pairs))
+        yield pairs
+    finally:
+        await asyncio.gather(*(p.stop() for p in pairs))
+
+
+def alive(instances: list[SimInstanceProcess]) -> list[SimInstanceProcess]:
+    """Each test kills one engine; the next ones use those still running."""
+    return [p for p in instances if p.engine.process is not None and p.engine.process.poll() is None]
+
+
+async def start_router(addresses: list[str]) -> Router:
+    api = ApiSettings(model=MODEL, generation=GenerationLimits(max_model_len=4096))
+    router = Router(RouterConfig(api=api, host="127.0.0.1", port=0, queue_timeout_s=20.0),
+                    ListInstanceSource(addresses))
+    await router.start()
+    for _ in range(100):
+        if len(router.instances.dispatchable()) == len(addresses):
+            break
+        await asyncio.sleep(0.05)
+    return router
+
+
+async def unfailed(instance: SimInstanceProcess, path: str, body: dict) -> str:
+    async with aiohttp.ClientSession() as session, session.post(instance.engine_url + path,
+                                                                json=body) as response:
+        answer = await response.json()
+    choice = answer["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def serving(router: Router) -> str:
+    busy = [i for i in router.instances.all() if i.in_flight]
+    assert len(busy) == 1
+    return busy[0].address
+
+
+def counter(router: Router, name: str) -> float:
+    return getattr(router.metrics, name)._value.get()
+
+
+async def test_retry_before_the_first_token_when_an_engine_is_down(
+        instances: list[SimInstanceProcess]) -> None:
+    dead, running = alive(instances)[:2]
+    router = await start_router([dead.grpc_address, running.grpc_address])
+    try:
+        dead.kill_engine()  # its llumlet still streams a load that looks idle
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        answers = await asyncio.gather(*(
+            client.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=5) for i in range(6)))
+        assert all(len(a.choices[0].text) == 5 for a in answers)
+        assert counter(router, "retries") >= 1
+    finally:
+        await router.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_token_replay_when_the_engine_dies_mid_stream(instances: list[SimInstanceProcess],
+                                                            endpoint: str) -> None:
+    first, second = alive(instances)[:2]
+    router = await start_router([first.grpc_address, second.grpc_address])
+    by_address = {p.grpc_address: p for p in (first, second)}
+    try:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        if endpoint == "completions":
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
+            expected = await unfailed(second, "/v1/completions", body)
+            stream = await client.completions.create(**body, stream=True,  # type: ignore[call-overload]
+                                                     stream_options={"include_usage": True})
+        else:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120}
+            expected = await unfailed(first, "/v1/chat/completions", body)
+            stream = await client.chat.completions.create(**body, stream=True,  # type: ignore[call-overload]
+                                                          stream_options={"include_usage": True})
+        pieces: list[str] = []
+        roles = 0
+        usage = None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if endpoint == "completions":
+                    pieces.append(choice.text)
+                else:
+                    pieces.append(choice.delta.content or "")
+                    roles += choice.delta.role == "assistant"
+            usage = chunk.usage or usage
+            if len("".join(pieces)) == 30:
+                by_address[serving(router)].kill_engine()
+        assert "".join(pieces) == expected
+        assert usage is not None and usage.completion_tokens == 120
+        assert endpoint == "completions" or roles == 1
+        assert counter(router, "replays") == 1
+    finally:
+        await router.shutdown()
+
+
+class MovingLlumlet(llumlet_pb2_grpc.LlumletServicer):
+    """A llumlet that streams a request's first tokens from a real llumlet, then says it moved there
+    (what the migration protocol does once the destination holds the request)."""
+
+    def __init__(self, destination: str, tokens_before_move: int) -> None:
+        self.destination = destination
+        self.tokens_before_move = tokens_before_move
+
+    async def WatchLoad(self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[pb.InstanceLoad]:
+        sequence = 0
+        while True:
+            sequence += 1
+            yield pb.InstanceLoad(instance_id="mover", total_blocks=1000, free_blocks=1000, block_size=16,
+                                  sequence=sequence, timestamp=float(sequence),
+                                  source=pb.LOAD_SOURCE_CONNECTOR)
+            await asyncio.sleep(0.2)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(self.destination) as channel:
+            call = llumlet_pb2_grpc.LlumletStub(channel).Generate(request)
+            sent = 0
+            async for message in call:
+                yield message
+                sent += len(message.chunk.token_ids)
+                if sent >= self.tokens_before_move:
+                    call.cancel()
+                    break
+        yield pb.GenerateResponse(moved=pb.Moved(instance_id="destination", address=self.destination))
+
+
+async def test_a_moved_request_continues_from_its_destination(instances: list[SimInstanceProcess]) -> None:
+    destination = alive(instances)[0]
+    server = grpc.aio.server()
+    llumlet_pb2_grpc.add_LlumletServicer_to_server(MovingLlumlet(destination.grpc_address, 25), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    router = await start_router([f"127.0.0.1:{port}"])
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60}
+        expected = await unfailed(destination, "/v1/completions", body)
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]
+        text = "".join([choice.text async for chunk in stream for choice in chunk.choices])
+        assert text == expected
+        assert counter(router, "moves") == 1 and counter(router, "replays") == 0
+    finally:
+        await router.shutdown()
+        await server.stop(grace=None)

@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from llumlet.handshake import (
+    default_handshake_path,
+    handshake_record,
+    incompatibilities,
+    read_handshake,
+    write_handshake,
+)
+from llumlet.kv_blocks import KVBlockCopier
+
+
+def record(block_size: int = 32, dtype=torch.float32, tp: int = 1, num_blocks: int = 8) -> dict:
+    caches = {f"l{i}": torch.zeros((num_blocks, 2, block_size, 64), dtype=dtype) for i in range(2)}
+    layout = KVBlockCopier(caches, num_blocks).layout
+    return handshake_record(engine_id="e0", model="/models/tiny", block_size=block_size, layout=layout,
+                            memory_layout="LBHNC", tensor_parallel_size=tp, pipeline_parallel_size=1)
+
+
+def test_write_then_read_round_trip(tmp_path: Path):
+    path = tmp_path / "sub" / "engine.sock.handshake.json"
+    write_handshake(path, record())
+    loaded = read_handshake(path)
+    assert loaded["block_size"] == 32 and loaded["kv_dtype"] == "float32"
+    assert loaded["kv_layout"]["page_shape"] == [2, 32, 64]
+    assert loaded["kv_layout"]["bytes_per_block"] == 2 * 2 * 32 * 64 * 4
+    assert list(path.parent.iterdir()) == [path]
+
+
+def test_capacity_does_not_matter_but_layout_does():
+    assert incompatibilities(record(num_blocks=8), record(num_blocks=64)) == []
+    problems = incompatibilities(record(), record(block_size=64, dtype=torch.bfloat16, tp=2))
+    fields = {p.split(":")[0] for p in problems}
+    assert fields == {"kv_dtype", "block_size", "kv_layout", "tensor_parallel_size"}
+
+
+def test_unknown_schema_is_refused(tmp_path: Path):
+    path = tmp_path / "h.json"
+    write_handshake(path, {**record(), "schema_version": 99})
+    with pytest.raises(ValueError, match="schema 99"):
+        read_handshake(path)
+
+
+def test_default_path_only_for_ipc_sockets():
+    assert default_handshake_path("ipc:///run/llumnix/e.sock") == Path("/run/llumnix/e.sock.handshake.json")
+    assert default_handshake_path("tcp://127.0.0.1:5555") is None
+    assert default_handshake_path(None) is None

@@ -1,0 +1,118 @@
+"""Router dispatch over instances' loads: in-flight accounting between snapshots, holding requests
+while every instance is busy, the bounded priority queue."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.policies.dispatch import make_dispatch_policy
+from llumnix.router.dispatcher import Dispatcher, DispatchQueue
+from llumnix.router.errors import RouterError
+from llumnix.router.instances import InstanceSet
+from llumnix.wire import LoadReport, LoadSource
+
+
+def report(instance_id: str, free_blocks: int = 100, running: tuple[RequestLoad, ...] = (),
+           waiting: tuple[RequestLoad, ...] = (), sequence: int = 1, total_blocks: int = 100) -> LoadReport:
+    load = InstanceLoad(instance_id, total_blocks, free_blocks, block_size=16, running=running,
+                        waiting=waiting, timestamp=float(sequence))
+    return LoadReport(load, 0.0, 0.0, 0.0, LoadSource.CONNECTOR, sequence)
+
+
+def cluster(*reports: LoadReport) -> InstanceSet:
+    instances = InstanceSet()
+    for r in reports:
+        instance = instances.add(f"127.0.0.1:{len(instances) + 1}", watch=False)
+        instance.observe(r)
+    return instances
+
+
+def request(i: int, tokens: int = 160, high: bool = False) -> RequestLoad:
+    return RequestLoad(f"r{i}", tokens, high_priority=high)
+
+
+async def test_a_burst_spreads_over_instances_before_any_load_shows_it() -> None:
+    instances = cluster(*(report(f"i{k}") for k in range(4)))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    chosen = [dispatcher.dispatch(request(i)) for i in range(8)]
+    counts = collections.Counter(c.instance_id for c in chosen if c is not None)
+    assert counts == {"i0": 2, "i1": 2, "i2": 2, "i3": 2}
+    # A load that lists a pending request replaces the router's estimate of it.
+    first = next(i for i in instances.all() if i.instance_id == "i0")
+    listed = tuple(RequestLoad(rid, 160) for rid in first.pending)
+    first.observe(report("i0", waiting=listed, sequence=2))
+    assert not first.pending and first.in_flight == set(r.request_id for r in listed)
+    assert first.effective_load().waiting == listed
+    first.release(listed[0].request_id)
+    assert first.in_flight == {listed[1].request_id}
+
+
+async def test_least_requests_also_counts_in_flight_requests() -> None:
+    instances = cluster(report("a"), report("b"), report("c"))
+    dispatcher = Dispatcher(make_dispatch_policy("least-requests"), instances)
+    counts = collections.Counter(dispatcher.dispatch(request(i)).instance_id for i in range(9))  # type: ignore[union-attr]
+    assert counts == {"a": 3, "b": 3, "c": 3}
+
+
+async def test_busy_instances_hold_the_request_unless_one_is_idle() -> None:
+    busy = (RequestLoad("x", 1500, blocks=95),)
+    instances = cluster(report("a", free_blocks=5, running=busy), report("b", free_blocks=5, running=busy))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    assert dispatcher.dispatch(request(1)) is None
+    # an instance with nothing to finish would never wake the queue: the request goes there
+    instances.all()[1].observe(report("b", free_blocks=100, total_blocks=100, sequence=2))
+    too_big = request(2, tokens=5000)
+    chosen = dispatcher.dispatch(too_big)
+    assert chosen is not None and chosen.instance_id == "b"
+
+
+async def test_stale_and_unavailable_instances_are_skipped() -> None:
+    instances = cluster(report("a"), report("b"))
+    a, b = instances.all()
+    dispatcher = Dispatcher(make_dispatch_policy("round-robin"), instances)
+    a.mark_unavailable()
+    b.last_seen -= 60.0  # no load, not even a heartbeat, for a minute
+    assert dispatcher.dispatch(request(1)) is None
+    a.mark_available()
+    assert {dispatcher.dispatch(request(i)).instance_id for i in range(3)} == {"a"}  # type: ignore[union-attr]
+
+
+async def test_queue_orders_by_priority_then_arrival_and_is_bounded() -> None:
+    busy = (RequestLoad("x", 1500, blocks=95),)
+    instances = cluster(report("a", free_blocks=5, running=busy))
+    queue = DispatchQueue(Dispatcher(make_dispatch_policy("llumnix"), instances), capacity=3, timeout_s=5.0)
+    instances.on_change = queue.wake
+    served: list[str] = []
+
+    async def wait(r: RequestLoad) -> None:
+        instance = await queue.acquire(r, r.high_priority)
+        served.append(r.request_id)
+        instance.release(r.request_id)
+
+    tasks = [asyncio.create_task(wait(r)) for r in (request(1), request(2), request(3, high=True))]
+    await asyncio.sleep(0.01)
+    assert len(queue) == 3 and not served
+    with pytest.raises(RouterError) as err:
+        await queue.acquire(request(4), False)
+    assert err.value.status == 503 and err.value.retry_after_s is not None
+    instances.all()[0].observe(report("a", sequence=2))  # the instance emptied: the queue drains
+    await asyncio.gather(*tasks)
+    assert served == ["r3", "r1", "r2"]
+
+
+async def test_queue_timeout_and_cancellation_release_everything() -> None:
+    instances = InstanceSet()  # no instance at all: requests wait
+    queue = DispatchQueue(Dispatcher(make_dispatch_policy("llumnix"), instances), capacity=2, timeout_s=0.05)
+    with pytest.raises(RouterError) as err:
+        await queue.acquire(request(1), False)
+    assert err.value.status == 503 and "within" in err.value.body["error"]["message"]
+    task = asyncio.create_task(queue.acquire(request(2), False))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(queue) == 0
