@@ -208,7 +208,7 @@ class Admission:
 
         try:
             await asyncio.wait_for(drained(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

@@ -200,7 +200,7 @@ class EngineProcess:
             os.killpg(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()

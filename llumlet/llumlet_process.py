@@ -78,7 +78,7 @@ class LlumletProcess:
                                            timeout=aiohttp.ClientTimeout(total=2)) as response:
                         if response.status == 200:
                             return
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
                 await asyncio.sleep(0.1)
         raise LlumletStartError(f"llumlet {self.config.instance_id} not healthy after {timeout_s} s:\n"

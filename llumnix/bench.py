@@ -171,7 +171,7 @@ async def _one(session: aiohttp.ClientSession, config: BenchConfig, model: str, 
             result.output_tokens = result.output_tokens or counted
             if result.first_token is None:
                 result.error = "no-output"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         result.error = type(exc).__name__
     return result
 

@@ -87,7 +87,7 @@ class Router:
                                             "grace_s": self.config.shutdown_grace_s})
         try:
             await asyncio.wait_for(self.api.idle.wait(), self.config.shutdown_grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("grace period expired", extra={"in_flight": self.api.in_flight})
         self.queue.fail_all(RouterError(503, "the router is shutting down; retry", retry_after_s=1.0))
         if self._runner is not None:
