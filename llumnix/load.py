@@ -140,14 +140,20 @@ def dispatch_freeness(
     Dispatch looks further ahead than `freeness`: every queued request will need its blocks before
     the new one runs, and each joins the batch. Without this an instance whose few requests nearly
     fill its memory looks free (high blocks per request) to a request that cannot fit there.
+
+    An over-subscribed instance reports its deficit in blocks, not divided by the batch: dividing a
+    negative headroom by a larger batch would make the more crowded instance look less overloaded,
+    so in a burst requests would pile onto the instances with the longest queues.
     """
     if load.draining:
         return -math.inf
     queued = list(load.waiting) if request is None else [*load.waiting, request]
     demand = sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in queued)
     headroom = high_priority_headroom(load, config, request)
-    usage = load.used_blocks + load.reserved_blocks + demand + headroom
-    return (load.total_blocks - usage) / max(1, len(load.running) + len(queued))
+    room = load.total_blocks - (load.used_blocks + load.reserved_blocks + demand + headroom)
+    if room < 0:
+        return float(room)
+    return room / max(1, len(load.running) + len(queued))
 
 
 def memory_load(load: InstanceLoad) -> float:

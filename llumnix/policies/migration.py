@@ -9,7 +9,7 @@ threshold. The source's llumlet then picks the request with `select_request`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, RequestLoad, freeness
 
@@ -104,3 +104,26 @@ def fits(request: RequestLoad, destination: InstanceLoad) -> bool:
     if destination.draining:
         return False
     return destination.free_blocks - destination.reserved_blocks >= request.blocks + 1
+
+
+def admits(
+    request: RequestLoad,
+    destination: InstanceLoad,
+    config: MigrationConfig = MigrationConfig(),
+    model: LoadModelConfig = DEFAULT_LOAD_MODEL,
+) -> bool:
+    """Whether the destination should take `request`: it `fits`, and the destination's freeness with
+    the request added stays at or above the threshold.
+
+    Pairing judges a destination before the request is known; without this check a large request
+    can fill the destination past the threshold, block the destination's own head-of-line request
+    and turn it into a source (the Llumnix artifact's pairing checks the load after migration too).
+    """
+    if not fits(request, destination):
+        return False
+    after = replace(
+        destination,
+        free_blocks=destination.free_blocks - request.blocks,
+        running=(*destination.running, replace(request, migrating=False)),
+    )
+    return freeness(after, model) >= config.freeness_threshold

@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", metavar="DIR", help="output folder of --experiment (report.md, PNGs)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes for --experiment runs")
+    parser.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="multiply every rate of --experiment by this factor (load-matched runs; docs/reproduction.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +171,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         seed=args.seed,
         profile=args.profile,
         jobs=args.jobs,
+        rate_scale=args.rate_scale,
     )
     print(report.read_text(encoding="utf-8"))
     print(f"wrote {report} and its plots")

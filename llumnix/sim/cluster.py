@@ -23,7 +23,7 @@ from typing import Any
 from llumnix.load import RequestLoad
 from llumnix.policies.autoscaling import decide
 from llumnix.policies.dispatch import make_dispatch_policy
-from llumnix.policies.migration import fits, pair_migrations, select_request
+from llumnix.policies.migration import admits, pair_migrations, select_request
 from llumnix.profile import LatencyProfile
 from llumnix.sim.instance import EngineConfig, SimInstance
 from llumnix.sim.metrics import SimResult, fragmented_blocks
@@ -205,7 +205,9 @@ class Cluster:
         load_by_id = {load.instance_id: load for load in loads}
         for pair in pair_migrations(loads, self.config.migration, self.config.load_model):
             chosen = select_request(load_by_id[pair.source], self.config.migration.select)
-            if chosen is None or not fits(chosen, load_by_id[pair.destination]):
+            if chosen is None or not admits(
+                chosen, load_by_id[pair.destination], self.config.migration, self.config.load_model
+            ):
                 continue
             source = by_id[pair.source]
             request = next((r for r in source.running if r.request_id == chosen.request_id), None)

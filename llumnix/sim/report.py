@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
+from PIL import Image
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen before pyplot loads
@@ -18,6 +20,8 @@ POLICY_STYLES = {
     "least-requests": {"color": "tab:green", "marker": "d"},
 }
 DPI = 60
+PALETTE_COLORS = 64
+"""Line plots need few colours; a palette PNG keeps a 35-panel grid well under 200 KB."""
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -56,8 +60,7 @@ def line_grid(
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _save_png(fig, path)
 
 
 def time_series(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], ylabel: str) -> None:
@@ -69,5 +72,13 @@ def time_series(path: Path, series: dict[str, tuple[Sequence[float], Sequence[fl
     ax.tick_params(labelsize=6)
     ax.legend(fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    _save_png(fig, path)
+
+
+def _save_png(fig: plt.Figure, path: Path) -> None:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=DPI, format="png")
     plt.close(fig)
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(colors=PALETTE_COLORS).save(path, optimize=True)

@@ -169,3 +169,17 @@ def test_dispatch_freeness_of_high_priority_and_draining() -> None:
     load = inst(total=200, free=200)
     assert dispatch_freeness(load, req("hp", 16, high_priority=True)) == pytest.approx((200 - 1 - 100) / 1)
     assert dispatch_freeness(inst(draining=True), req("x", 16)) == -math.inf
+
+
+def test_dispatch_freeness_reports_an_over_subscribed_instance_deficit_undivided() -> None:
+    # `few`: 90 blocks used by one request; a 30-block request leaves a deficit of 20 blocks.
+    few = inst("few", free=10, running=[req("f1", 1440, blocks=90)])
+    # `crowded`: 95 blocks used by nine requests; the same request leaves a deficit of 25 blocks.
+    crowded = inst("crowded", free=5, running=[req(f"c{i}", 160, blocks=10 + (i < 5)) for i in range(9)])
+    new = req("new", 480)  # 30 blocks
+    assert dispatch_freeness(few, new) == pytest.approx(-20.0)
+    assert dispatch_freeness(crowded, new) == pytest.approx(-25.0)
+    # Divided by the batch (-20/2 = -10 vs -25/10 = -2.5) the crowded instance would look freer.
+    assert dispatch_freeness(few, new) > dispatch_freeness(crowded, new)
+    # Exactly full is not a deficit: 0 blocks of headroom.
+    assert dispatch_freeness(inst(free=30, running=[req("r", 1120, blocks=70)]), new) == 0.0

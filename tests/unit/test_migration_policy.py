@@ -6,6 +6,7 @@ from llumnix.load import InstanceLoad, RequestLoad
 from llumnix.policies.migration import (
     MigrationConfig,
     MigrationPair,
+    admits,
     fits,
     migratable,
     pair_migrations,
@@ -117,3 +118,18 @@ def test_config_validation() -> None:
         MigrationConfig(select="oldest")
     with pytest.raises(ValueError):
         MigrationConfig(max_concurrent_per_instance=0)
+
+
+def test_admits_judges_the_destination_with_the_request_added() -> None:
+    # Destination: 40 of 100 blocks used by two requests, a 10-block (160-token) head of line.
+    dst = inst("d", free=60, running=[r("d1", blocks=20), r("d2", blocks=20)], waiting=[r("dw", tokens=160)])
+    config = MigrationConfig(freeness_threshold=3)
+    # Before: (100 - 40 - 10) / 3 = 16.7. With a 30-block request: (100 - 70 - 10) / 4 = 5 >= 3.
+    assert admits(r("m", tokens=480, blocks=30), dst, config)
+    # With a 40-block request: (100 - 80 - 10) / 4 = 2.5 < 3, although 60 free blocks >= 41 fit it.
+    big = r("m", tokens=640, blocks=40)
+    assert fits(big, dst)
+    assert not admits(big, dst, config)
+    # The migrating flag of the moving request does not matter; draining never admits.
+    assert admits(r("m", tokens=480, blocks=30, migrating=True), dst, config)
+    assert not admits(r("m", blocks=2), inst("d", free=100, draining=True), config)
