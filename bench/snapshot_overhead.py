@@ -122,7 +122,7 @@ def main() -> None:
     if args.engine:
         from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
 
-        model = args.model or ensure_tiny_model(Path(".cache/models"), TinyModelRecipe())
+        model = (args.model or ensure_tiny_model(Path(".cache/models"), TinyModelRecipe())).resolve()
         asyncio.run(end_to_end(model, args.concurrency, args.max_tokens, args.rounds))
 
 
