@@ -24,9 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from llumlet.pair import free_port
+from llumlet.pair import EnginePair, PairConfig, free_port
 from llumnix.bench import BenchConfig, BenchResult, run_bench
-from llumnix.sim_engine.process import SimInstanceProcess
 from llumnix.traces import TraceRequest
 
 MODEL = "sim"
@@ -52,6 +51,12 @@ async def start_router(addresses: list[str], work: Path) -> tuple[subprocess.Pop
     raise RuntimeError(f"router not ready; log {work / 'router.log'}")
 
 
+def sim_pair(instance_id: str, work: Path, **config: int) -> EnginePair:
+    """A sim engine with the profile's block size and a 4,096-token context, and its llumlet."""
+    return EnginePair(PairConfig(instance_id=instance_id, work_dir=work / instance_id, engine="sim",
+                                 served_model_name=MODEL, block_size=16, max_model_len=4096, **config))
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
@@ -72,7 +77,7 @@ def describe(name: str, result: BenchResult) -> dict[str, float | int]:
 
 
 async def overhead(args: argparse.Namespace, work: Path) -> None:
-    instance = SimInstanceProcess("overhead", work, ("--model", MODEL))
+    instance = sim_pair("overhead", work)
     await instance.start()
     router, url = await start_router([instance.grpc_address], work)
     try:
@@ -93,11 +98,8 @@ async def overhead(args: argparse.Namespace, work: Path) -> None:
 
 
 async def concurrency(args: argparse.Namespace, work: Path) -> None:
-    instances = [SimInstanceProcess(f"conc-{i}", work, ("--model", MODEL, "--max-num-seqs", "256"))
-                 for i in range(args.instances)]
-    for instance in instances:
-        instance.launch()
-    await asyncio.gather(*(i.wait_ready() for i in instances))
+    instances = [sim_pair(f"conc-{i}", work, max_num_seqs=256) for i in range(args.instances)]
+    await asyncio.gather(*(i.start() for i in instances))
     router, url = await start_router([i.grpc_address for i in instances], work)
     try:
         started = time.monotonic()

@@ -18,6 +18,7 @@ from llumlet.engine_client import EngineClient, EngineError, EngineUnavailableEr
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable
+from llumnix.openai_request import OpenAIRequestError, check_generation_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, openai_error, parse_stream_chunk
 
 logger = logging.getLogger("llumlet.admission")
@@ -62,18 +63,10 @@ class _InFlight:
 
 def validate_body(endpoint: EndpointKind, body: Any) -> dict[str, Any]:
     """Checks that the llumlet itself needs; the engine validates the rest (its 4xx pass through)."""
-    if not isinstance(body, dict):
-        raise AdmissionError.of(400, "request body must be a JSON object")
-    if endpoint is EndpointKind.COMPLETION:
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "" or prompt == []:
-            raise AdmissionError.of(400, "'prompt' is required", param="prompt")
-        if not isinstance(prompt, (str, list)):
-            raise AdmissionError.of(400, "'prompt' must be a string or a list", param="prompt")
-    else:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise AdmissionError.of(400, "'messages' must be a non-empty list", param="messages")
+    try:
+        body = check_generation_body(endpoint, body)
+    except OpenAIRequestError as exc:
+        raise AdmissionError(exc.status, exc.body) from None
     kv_params = body.get("kv_transfer_params")
     if kv_params is not None and not isinstance(kv_params, dict):
         raise AdmissionError.of(400, "'kv_transfer_params' must be an object", param="kv_transfer_params")

@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +124,36 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
     return argv, env
 
 
+def log_tail(log_path: Path, lines: int) -> str:
+    """The last `lines` lines of an engine's log (what start-up errors show)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_healthy(url: str, returncode: Callable[[], int | None], timeout_s: float, name: str,
+                       log_path: Path) -> None:
+    """Until `url`/health answers 200; EngineStartError (with the log tail) when the process exits
+    (`returncode()` is set) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while True:
+            code = returncode()
+            if code is not None:
+                raise EngineStartError(f"{name} exited with code {code} during start-up; "
+                                       f"log {log_path}:\n{log_tail(log_path, 40)}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"{name} not healthy after {timeout_s:.0f} s; "
+                                       f"log {log_path}:\n{log_tail(log_path, 40)}")
+            await asyncio.sleep(0.1)
+
+
 class EngineProcess:
     """One engine subprocess in its own process group (vLLM forks an engine-core child)."""
 
@@ -142,11 +172,7 @@ class EngineProcess:
         return self._proc.returncode if self._proc else None
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     async def start(self, timeout_s: float = 240.0) -> None:
         """Spawn the engine and return once `/health` answers 200."""
@@ -165,31 +191,11 @@ class EngineProcess:
                 start_new_session=True,
             )
         try:
-            await self._wait_healthy(timeout_s)
+            await wait_healthy(self.url, lambda: self.returncode, timeout_s,
+                               f"engine on port {self.config.port}", self.log_path)
         except BaseException:
             await self.stop()
             raise
-
-    async def _wait_healthy(self, timeout_s: float) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-            while True:
-                if self._proc.returncode is not None:
-                    raise EngineStartError(
-                        f"engine on port {self.config.port} exited with code {self._proc.returncode} "
-                        f"during start-up; log {self.log_path}:\n{self.log_tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with session.get(f"{self.url}/health") as response:
-                        if response.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    raise EngineStartError(
-                        f"engine on port {self.config.port} not healthy after {timeout_s:.0f} s; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                await asyncio.sleep(0.5)
 
     async def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM to the process group, SIGKILL after `grace_s`; returns the exit code."""

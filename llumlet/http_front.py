@@ -15,6 +15,7 @@ from llumlet.admission import Admission, AdmissionError, StreamEvent
 from llumlet.engine_client import EngineUnavailableError
 from llumlet.health import HealthReporter
 from llumlet.metrics import LlumletMetrics
+from llumnix.openai_request import OpenAIRequestError, add_openai_routes, read_json_body
 from llumnix.openai_stream import EndpointKind, ResponseAssembler, openai_error
 
 logger = logging.getLogger("llumlet.http")
@@ -54,27 +55,14 @@ class HttpFront:
         self.metrics = metrics
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        return app
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, EndpointKind.COMPLETION)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, EndpointKind.CHAT)
+        return add_openai_routes(web.Application(client_max_size=MAX_BODY_BYTES), self._generate,
+                                 self._models, self._health, self._metrics)
 
     async def _generate(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, openai_error(413, f"request body exceeds {MAX_BODY_BYTES} bytes"))
-        except ValueError as exc:
-            return _error(400, openai_error(400, f"request body is not valid JSON: {exc}"))
+            body = await read_json_body(request, MAX_BODY_BYTES)
+        except OpenAIRequestError as exc:
+            return exc.response()
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"llumlet-{uuid.uuid4().hex}"
         high_priority = request.headers.get(PRIORITY_HEADER, "").lower() == "high"
         events = self.admission.generate(endpoint, body, request_id, high_priority)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import aiohttp
 
+from llumlet.engine_process import log_tail
+
 
 class LlumletStartError(RuntimeError):
     pass
@@ -85,10 +87,7 @@ class LlumletProcess:
                                 f"{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.config.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.config.log_path, lines)
 
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -1,9 +1,12 @@
 """One instance as the llumlet contract sees it: an engine plus its llumlet, started together,
-healthy together, stopped together. Used by tests, benchmarks and local mode.
+healthy together, stopped together. Used by tests, benchmarks and local mode. The engine is a CPU
+vLLM with the llumnix connector (`engine="vllm"`, needs `model_dir`) or the sim engine
+(`engine="sim"`, no model).
 
-    pair = EnginePair(PairConfig(instance_id="a", model_dir=model, work_dir=Path("/tmp/a")))
+    pair = EnginePair(PairConfig(instance_id="a", work_dir=Path("/tmp/a"), engine="sim"))
     await pair.start()      # engine healthy, then llumlet serving
     ...                     # pair.engine_url, pair.llumlet.http_url, pair.llumlet.grpc_address
+    pair.kill_engine()      # a crash (failure tests)
     await pair.stop()       # llumlet (graceful), then engine
 """
 
@@ -15,11 +18,13 @@ import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from llumlet.engine_process import EngineLaunchConfig, EngineProcess
 from llumlet.llumlet_process import LlumletProcess, LlumletProcessConfig
+from llumnix.sim_engine.process import SimEngineProcess
 
-ENGINE_KINDS = ("vllm",)
+ENGINE_KINDS = ("vllm", "sim")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,13 +33,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class Engine(Protocol):
+    """What a pair needs of an engine process (EngineProcess, SimEngineProcess)."""
+
+    url: str
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def log_tail(self, lines: int = 30) -> str: ...
+
+    async def start(self, timeout_s: float) -> None: ...
+
+    async def stop(self) -> int | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PairConfig:
     instance_id: str
-    model_dir: Path
     work_dir: Path
     """Logs and the snapshot socket live here."""
     engine: str = "vllm"
+    model_dir: Path | None = None
+    """The model vLLM serves (required for vllm; the sim engine has none)."""
     served_model_name: str = "tiny"
     host: str = "127.0.0.1"
     engine_port: int = 0
@@ -45,12 +69,51 @@ class PairConfig:
     max_num_seqs: int | None = None
     block_size: int = 32
     kv_cache_gib: float = 1.0
+    """vLLM's KV cache size; the sim engine's pool is `num_blocks`."""
+    num_blocks: int | None = None
+    """Sim engine only: KV blocks (None: the profile's capacity)."""
+    engine_args: tuple[str, ...] = ()
+    """More engine flags, e.g. ("--time-scale", "10") for the sim engine."""
+    llumlet_args: tuple[str, ...] = ()
     shutdown_grace_s: float = 30.0
     engine_start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"unknown engine kind {self.engine!r}; expected one of {ENGINE_KINDS}")
+        if self.engine == "vllm" and self.model_dir is None:
+            raise ValueError("a vllm pair needs model_dir")
+        if self.engine == "vllm" and self.num_blocks is not None:
+            raise ValueError("num_blocks is for the sim engine; size vLLM's cache with kv_cache_gib")
+
+
+def _make_engine(config: PairConfig, snapshot_addr: str) -> Engine:
+    port = config.engine_port or free_port(config.host)
+    log_path = config.work_dir / "engine.log"
+    if config.engine == "sim":
+        flags = ["--model", config.served_model_name, "--max-model-len", str(config.max_model_len),
+                 "--block-size", str(config.block_size)]
+        for flag, value in (("--max-num-seqs", config.max_num_seqs), ("--num-blocks", config.num_blocks)):
+            if value is not None:
+                flags += [flag, str(value)]
+        return SimEngineProcess(config.instance_id, port, log_path, snapshot_addr,
+                                (*flags, *config.engine_args), config.host)
+    assert config.model_dir is not None
+    return EngineProcess(EngineLaunchConfig(
+        model=config.model_dir.resolve(),  # the engine runs in the work directory
+        port=port,
+        host=config.host,
+        served_model_name=config.served_model_name,
+        block_size=config.block_size,
+        kv_cache_gib=config.kv_cache_gib,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        dtype="float32",
+        snapshot_addr=snapshot_addr,
+        engine_id=config.instance_id,
+        extra_args=config.engine_args,
+        log_path=log_path,
+    ))
 
 
 class EnginePair:
@@ -59,20 +122,7 @@ class EnginePair:
         host = config.host
         work = config.work_dir
         snapshot_addr = f"ipc://{work / 'snapshots.sock'}"
-        self.engine = EngineProcess(EngineLaunchConfig(
-            model=config.model_dir.resolve(),  # the engine runs in the work directory
-            port=config.engine_port or free_port(host),
-            host=host,
-            served_model_name=config.served_model_name,
-            block_size=config.block_size,
-            kv_cache_gib=config.kv_cache_gib,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            dtype="float32",
-            snapshot_addr=snapshot_addr,
-            engine_id=config.instance_id,
-            log_path=work / "engine.log",
-        ))
+        self.engine = _make_engine(config, snapshot_addr)
         self.llumlet = LlumletProcess(LlumletProcessConfig(
             instance_id=config.instance_id,
             engine_url=self.engine.url,
@@ -82,6 +132,7 @@ class EnginePair:
             log_path=work / "llumlet.log",
             host=host,
             shutdown_grace_s=config.shutdown_grace_s,
+            extra_args=config.llumlet_args,
         ))
 
     @property
@@ -89,8 +140,16 @@ class EnginePair:
         return self.engine.url
 
     @property
+    def grpc_address(self) -> str:
+        return self.llumlet.grpc_address
+
+    @property
     def served_model_name(self) -> str:
         return self.config.served_model_name
+
+    @property
+    def engine_running(self) -> bool:
+        return self.engine.pid is not None and self.engine.returncode is None
 
     async def start(self) -> None:
         self.config.work_dir.mkdir(parents=True, exist_ok=True)

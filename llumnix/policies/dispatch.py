@@ -7,6 +7,7 @@ tie-break among the top k. Round-robin is the one stateful policy (a cursor).
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from abc import ABC, abstractmethod
@@ -73,10 +74,12 @@ class ScoringPolicy(DispatchPolicy):
         if not scored:
             return None
         free = [item for item in scored if not self.is_busy(item[0])]
-        scored = sorted(free or scored, reverse=True)
-        best = scored[0][0]
-        ties = [iid for score, iid in scored if _same(score, best)]
-        top = ties if len(ties) >= self.top_k else [iid for _, iid in scored[: self.top_k]]
+        candidates = free or scored
+        # Linear in the instances: the router decides over every instance on every request.
+        best = max(score for score, _ in candidates)
+        top = [iid for score, iid in candidates if _same(score, best)]
+        if len(top) < self.top_k:
+            top = [iid for _, iid in heapq.nlargest(self.top_k, candidates)]
         return DispatchDecision(self.rng.choice(sorted(top)), all_busy=not free)
 
 

@@ -7,12 +7,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from llumnix.openai_request import Handler, OpenAIRequestError, add_openai_routes, read_json_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler
 from llumnix.router.api_keys import ApiKeyChecker
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
@@ -26,7 +27,6 @@ from llumnix.router.stream_format import StreamFormat
 logger = logging.getLogger("llumnix.router.api")
 
 UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +37,9 @@ class ApiSettings:
     generation: GenerationLimits = field(default_factory=GenerationLimits)
 
 
-def error_response(error: RouterError) -> web.Response:
+def error_response(error: OpenAIRequestError) -> web.Response:
     headers = {}
-    if error.retry_after_s is not None:
+    if isinstance(error, RouterError) and error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     return web.json_response(error.body, status=error.status, headers=headers)
 
@@ -63,12 +63,7 @@ class RouterApi:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.settings.limits.max_body_bytes, middlewares=[self._auth])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        return app
+        return add_openai_routes(app, self._serve, self._models, self._health, self._metrics)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -79,25 +74,15 @@ class RouterApi:
             "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, status=401)
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, EndpointKind.COMPLETION)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, EndpointKind.CHAT)
-
     async def _serve(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         arrival = time.monotonic()
         if not self.accepting:
             return error_response(RouterError(503, "the router is shutting down; retry", retry_after_s=1.0))
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(RouterError(
-                413, f"request body exceeds {self.settings.limits.max_body_bytes} bytes"))
-        try:
-            client_request = parse_client_request(endpoint, raw, request.headers, self.settings.limits,
+            body = await read_json_body(request, self.settings.limits.max_body_bytes)
+            client_request = parse_client_request(endpoint, body, request.headers, self.settings.limits,
                                                   self.settings.priorities)
-        except RouterError as exc:
+        except OpenAIRequestError as exc:
             return error_response(exc)
         self.in_flight += 1
         self.idle.clear()

@@ -4,12 +4,12 @@ and the prompt-length estimate the in-flight accounting uses."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llumnix.openai_request import check_generation_body
 from llumnix.openai_stream import EndpointKind
 from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest
@@ -61,19 +61,10 @@ def _prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
     return 0
 
 
-def parse_client_request(endpoint: EndpointKind, raw: bytes, headers: Mapping[str, str],
+def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str, str],
                          limits: RequestLimits, priorities: PrioritySettings) -> ClientRequest:
-    """Raises RouterError (400) for a body the router refuses; the engine validates the rest."""
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise RouterError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouterError(400, "request body must be a JSON object")
-    if endpoint is EndpointKind.COMPLETION and body.get("prompt") in (None, "", []):
-        raise RouterError(400, "'prompt' is required", param="prompt")
-    if endpoint is EndpointKind.CHAT and not (isinstance(body.get("messages"), list) and body["messages"]):
-        raise RouterError(400, "'messages' must be a non-empty list", param="messages")
+    """Raises OpenAIRequestError (400) for a body the router refuses; the engine validates the rest."""
+    body = check_generation_body(endpoint, body)
     high_priority = headers.get(priorities.header, "").strip().lower() == "high"
     field = body.get(priorities.body_field)
     if isinstance(field, str):

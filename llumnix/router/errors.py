@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from llumnix.openai_stream import openai_error
+from llumnix.openai_request import OpenAIRequestError
 
 _STATUS_OF_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -19,14 +19,14 @@ _STATUS_OF_CODE = {
 }
 
 
-class RouterError(Exception):
+class RouterError(OpenAIRequestError):
     """A request the router refuses or could not complete."""
 
     def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None,
                  retry_after_s: float | None = None, body: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body or openai_error(status, message, err_type, param)
+        super().__init__(status, message, err_type, param)
+        if body is not None:
+            self.body = body
         self.retry_after_s = retry_after_s
 
     @classmethod

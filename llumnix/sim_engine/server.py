@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from llumlet.snapshots import SnapshotPublisher
+from llumnix.openai_request import add_openai_routes
 from llumnix.openai_stream import EndpointKind
 from llumnix.profile import load_profile
 from llumnix.sim.instance import EngineConfig, SimInstance
@@ -127,20 +128,9 @@ class SimEngineServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_fastapi_style_errors])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        return app
+        return add_openai_routes(app, self._generate, self._models, self._health, self._metrics)
 
     # ----- generation
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, EndpointKind.COMPLETION)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, EndpointKind.CHAT)
 
     async def _generate(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         raw = await request.read()

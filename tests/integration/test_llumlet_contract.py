@@ -1,5 +1,5 @@
 """The llumlet contract, on real engines: two engine + llumlet pairs per engine kind (CPU vLLM with
-the llumnix connector; the sim engine joins by adding one entry to ENGINE_KINDS).
+the llumnix connector, and the sim engine).
 
 Pair "a" runs with the engine's default batch limit, pair "b" with at most two running requests so
 that requests queue. Tests share the pairs (module scope); the destructive ones (SIGTERM, engine
@@ -15,7 +15,6 @@ import math
 import signal
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,7 +33,10 @@ VLLM_MISSING = importlib.util.find_spec("vllm") is None
 ENGINE_KINDS = [
     pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
         VLLM_MISSING, reason="vllm is not importable (install the cpu extra: bash scripts/setup.sh)")]),
+    "sim",
 ]
+# The sim engine: 512 blocks of 32 tokens (a pool the size of the tiny vLLM's order), 10x real time.
+SIM_SETTINGS: dict[str, Any] = {"num_blocks": 512, "engine_args": ("--time-scale", "10")}
 
 pytestmark = pytest.mark.timeout(600)  # the first test also waits for two engines to start
 
@@ -48,14 +50,16 @@ class Pairs:
 
 
 @pytest_asyncio.fixture(scope="module", params=ENGINE_KINDS, loop_scope="module")
-async def pairs(request: pytest.FixtureRequest, tiny_model_dir: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pairs]:
+async def pairs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> AsyncIterator[Pairs]:
     work = tmp_path_factory.mktemp(f"llumlet-{request.param}")
+    engine: dict[str, Any] = (SIM_SETTINGS if request.param == "sim"
+                              else {"model_dir": request.getfixturevalue("tiny_model_dir")})
     configs = [
-        PairConfig(instance_id="a", model_dir=tiny_model_dir, work_dir=work / "a", engine=request.param,
-                   max_model_len=MAX_MODEL_LEN, shutdown_grace_s=20.0),
-        PairConfig(instance_id="b", model_dir=tiny_model_dir, work_dir=work / "b", engine=request.param,
-                   max_model_len=MAX_MODEL_LEN, max_num_seqs=2, shutdown_grace_s=20.0),
+        PairConfig(instance_id="a", work_dir=work / "a", engine=request.param, max_model_len=MAX_MODEL_LEN,
+                   shutdown_grace_s=20.0, **engine),
+        PairConfig(instance_id="b", work_dir=work / "b", engine=request.param, max_model_len=MAX_MODEL_LEN,
+                   max_num_seqs=2, shutdown_grace_s=20.0, **engine),
     ]
     started = [EnginePair(c) for c in configs]
     try:

@@ -7,65 +7,44 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import openai
 import pytest
 import pytest_asyncio
 
+from llumlet.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.client_request import RequestLimits
 from llumnix.router.instance_source import ListInstanceSource
-from llumnix.router.server import Router, RouterConfig
-from llumnix.sim_engine.process import SimInstanceProcess
+from llumnix.router.server import Router
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "sim"
-ENGINE_FLAGS = ("--model", MODEL, "--time-scale", "5")
+StartPairs = Callable[..., Awaitable[list[EnginePair]]]
+StartRouter = Callable[..., Awaitable[Router]]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def instances(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[SimInstanceProcess]]:
-    work = tmp_path_factory.mktemp("router")
-    pairs = [SimInstanceProcess(f"sim-{i}", work, ENGINE_FLAGS) for i in range(3)]
-    for pair in pairs:
-        pair.launch()
-    try:
-        await asyncio.gather(*(p.wait_ready() for p in pairs))
-        yield pairs
-    finally:
-        await asyncio.gather(*(p.stop() for p in pairs))
-
-
-async def start_router(addresses: list[str], **overrides: object) -> Router:
-    api = overrides.pop("api", ApiSettings(model=MODEL))
-    router = Router(RouterConfig(api=api, host="127.0.0.1", port=0, **overrides),  # type: ignore[arg-type]
-                    ListInstanceSource(addresses))
-    await router.start()
-    for _ in range(100):
-        if len(router.instances.dispatchable()) == len(addresses):
-            break
-        await asyncio.sleep(0.05)
-    return router
+async def instances(sim_pairs: StartPairs) -> list[EnginePair]:
+    return await sim_pairs(3, "sim", engine_args=("--time-scale", "5"))
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def router(instances: list[SimInstanceProcess]) -> AsyncIterator[Router]:
-    router = await start_router([p.grpc_address for p in instances])
-    yield router
-    await router.shutdown()
+async def router(instances: list[EnginePair], start_router: StartRouter) -> Router:
+    return await start_router([p.grpc_address for p in instances])
 
 
-async def direct_completion(instance: SimInstanceProcess, body: dict) -> dict:
+async def direct_completion(instance: EnginePair, body: dict) -> dict:
     async with aiohttp.ClientSession() as session, session.post(
             instance.engine_url + "/v1/completions", json=body) as response:
         return await response.json()
 
 
 async def test_openai_sdk_completions_and_chat_streaming_and_not(router: Router,
-                                                                 instances: list[SimInstanceProcess]) -> None:
+                                                                 instances: list[EnginePair]) -> None:
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -119,83 +98,75 @@ async def test_a_burst_spreads_over_every_instance(router: Router) -> None:
     assert len(served) == 3 and max(served.values()) - min(served.values()) <= 2, served
 
 
-async def test_limits_and_errors_are_openai_4xx(instances: list[SimInstanceProcess]) -> None:
+async def test_limits_and_errors_are_openai_4xx(instances: list[EnginePair],
+                                               start_router: StartRouter) -> None:
     api = ApiSettings(model=MODEL,
                       limits=RequestLimits(max_body_bytes=4096, max_tokens=64, max_prompt_tokens=100))
     router = await start_router([instances[0].grpc_address], api=api)
-    try:
-        async with aiohttp.ClientSession() as session:
-            async def post(body: object, raw: bytes | None = None) -> tuple[int, dict]:
-                data = raw if raw is not None else json.dumps(body).encode()
-                async with session.post(router.url + "/v1/completions", data=data,
-                                        headers={"Content-Type": "application/json"}) as response:
-                    return response.status, await response.json()
+    async with aiohttp.ClientSession() as session:
+        async def post(body: object, raw: bytes | None = None) -> tuple[int, dict]:
+            data = raw if raw is not None else json.dumps(body).encode()
+            async with session.post(router.url + "/v1/completions", data=data,
+                                    headers={"Content-Type": "application/json"}) as response:
+                return response.status, await response.json()
 
-            status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 65})
-            assert status == 400 and body["error"]["param"] == "max_tokens"
-            status, body = await post({"model": MODEL, "prompt": list(range(101))})
-            assert status == 400 and body["error"]["param"] == "prompt"
-            status, body = await post(None, raw=b"x" * 5000)
-            assert status == 413 and "4096 bytes" in body["error"]["message"]
-            status, body = await post(None, raw=b"{")
-            assert status == 400 and body["error"]["type"] == "BadRequestError"
-            status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 3})
-            assert status == 200 and len(body["choices"][0]["text"]) == 3
-    finally:
-        await router.shutdown()
+        status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 65})
+        assert status == 400 and body["error"]["param"] == "max_tokens"
+        status, body = await post({"model": MODEL, "prompt": list(range(101))})
+        assert status == 400 and body["error"]["param"] == "prompt"
+        status, body = await post(None, raw=b"x" * 5000)
+        assert status == 413 and "4096 bytes" in body["error"]["message"]
+        status, body = await post(None, raw=b"{")
+        assert status == 400 and body["error"]["type"] == "BadRequestError"
+        status, body = await post({"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert status == 200 and len(body["choices"][0]["text"]) == 3
 
 
-async def test_api_keys(instances: list[SimInstanceProcess]) -> None:
+async def test_api_keys(instances: list[EnginePair], start_router: StartRouter) -> None:
     router = await start_router([instances[0].grpc_address], api_keys=(b"sk-good",))
-    try:
-        bad = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-bad")
-        with pytest.raises(openai.AuthenticationError) as err:
-            await bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
-        good = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-good")
-        answer = await good.completions.create(model=MODEL, prompt="x", max_tokens=2)
-        assert len(answer.choices[0].text) == 2
-        async with aiohttp.ClientSession() as session, session.get(router.url + "/health") as response:
-            assert response.status == 200  # health and metrics need no key
-    finally:
-        await router.shutdown()
+    bad = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-bad")
+    with pytest.raises(openai.AuthenticationError) as err:
+        await bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    good = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-good")
+    answer = await good.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert len(answer.choices[0].text) == 2
+    async with aiohttp.ClientSession() as session, session.get(router.url + "/health") as response:
+        assert response.status == 200  # health and metrics need no key
 
 
 async def test_queue_503_and_instances_added_and_removed_at_run_time(
-        instances: list[SimInstanceProcess]) -> None:
+        instances: list[EnginePair], start_router: StartRouter) -> None:
     router = await start_router([], queue_capacity=2, queue_timeout_s=30.0)
     source = router.instances.source
     assert isinstance(source, ListInstanceSource)
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(router.url + "/health") as response:
-                assert response.status == 503 and (await response.json())["status"] == "no-instances"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(router.url + "/health") as response:
+            assert response.status == 503 and (await response.json())["status"] == "no-instances"
 
-            async def complete(i: int) -> tuple[int, dict, dict]:
-                body = {"model": MODEL, "prompt": f"q{i}", "max_tokens": 4}
-                async with session.post(router.url + "/v1/completions", json=body) as response:
-                    return response.status, dict(response.headers), await response.json()
+        async def complete(i: int) -> tuple[int, dict, dict]:
+            body = {"model": MODEL, "prompt": f"q{i}", "max_tokens": 4}
+            async with session.post(router.url + "/v1/completions", json=body) as response:
+                return response.status, dict(response.headers), await response.json()
 
-            held = [asyncio.create_task(complete(i)) for i in range(2)]
-            await asyncio.sleep(0.3)
-            assert len(router.queue) == 2
-            status, headers, body = await complete(3)
-            assert status == 503 and headers["Retry-After"] == "1"
-            assert body["error"]["type"] == "ServiceUnavailableError"
+        held = [asyncio.create_task(complete(i)) for i in range(2)]
+        await asyncio.sleep(0.3)
+        assert len(router.queue) == 2
+        status, headers, body = await complete(3)
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert body["error"]["type"] == "ServiceUnavailableError"
 
-            source.set_addresses([instances[1].grpc_address])  # an instance appears: the queue drains
-            for status, _, body in await asyncio.gather(*held):
-                assert status == 200 and len(body["choices"][0]["text"]) == 4
-            source.set_addresses([instances[2].grpc_address])  # and is replaced by another
-            await asyncio.sleep(0.5)
-            for _ in range(3):
-                status, _, _ = await complete(9)
-                assert status == 200
-        served = {s.labels["instance"] for s in router.metrics.requests.collect()[0].samples
-                  if s.name.endswith("_total") and s.labels["status"] == "200"}
-        assert served == {"sim-1", "sim-2"}
-    finally:
-        await router.shutdown()
+        source.set_addresses([instances[1].grpc_address])  # an instance appears: the queue drains
+        for status, _, body in await asyncio.gather(*held):
+            assert status == 200 and len(body["choices"][0]["text"]) == 4
+        source.set_addresses([instances[2].grpc_address])  # and is replaced by another
+        await asyncio.sleep(0.5)
+        for _ in range(3):
+            status, _, _ = await complete(9)
+            assert status == 200
+    served = {s.labels["instance"] for s in router.metrics.requests.collect()[0].samples
+              if s.name.endswith("_total") and s.labels["status"] == "200"}
+    assert served == {"sim-1", "sim-2"}
 
 
 async def test_metrics_exposition(router: Router) -> None:

@@ -6,7 +6,7 @@ so the spliced output must equal an unfailed run token for token."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import grpc
@@ -14,52 +14,40 @@ import openai
 import pytest
 import pytest_asyncio
 
+from llumlet.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.generation import GenerationLimits
-from llumnix.router.instance_source import ListInstanceSource
-from llumnix.router.server import Router, RouterConfig
-from llumnix.sim_engine.process import SimInstanceProcess
+from llumnix.router.server import Router
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "sim"
-ENGINE_FLAGS = ("--model", MODEL, "--time-scale", "2")
 PROMPT = "Resume me exactly"
+StartPairs = Callable[..., Awaitable[list[EnginePair]]]
+StartRouter = Callable[..., Awaitable[Router]]
+RouterOver = Callable[[list[str]], Awaitable[Router]]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def instances(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[SimInstanceProcess]]:
-    work = tmp_path_factory.mktemp("router-failures")
-    pairs = [SimInstanceProcess(f"f-{i}", work, ENGINE_FLAGS) for i in range(4)]
-    for pair in pairs:
-        pair.launch()
-    try:
-        await asyncio.gather(*(p.wait_ready() for p in pairs))
-        yield pairs
-    finally:
-        await asyncio.gather(*(p.stop() for p in pairs))
+async def instances(sim_pairs: StartPairs) -> list[EnginePair]:
+    return await sim_pairs(4, "f", engine_args=("--time-scale", "2"))
 
 
-def alive(instances: list[SimInstanceProcess]) -> list[SimInstanceProcess]:
+@pytest_asyncio.fixture(loop_scope="module")
+async def router_over(start_router: StartRouter) -> RouterOver:
+    """A router that can resume chat requests without max_tokens (it knows the engines' context)."""
+    api = ApiSettings(model=MODEL, generation=GenerationLimits(max_model_len=1024))
+    return lambda addresses: start_router(addresses, api=api, queue_timeout_s=20.0)
+
+
+def alive(instances: list[EnginePair]) -> list[EnginePair]:
     """Each test kills one engine; the next ones use those still running."""
-    return [p for p in instances if p.engine.process is not None and p.engine.process.poll() is None]
+    return [p for p in instances if p.engine_running]
 
 
-async def start_router(addresses: list[str]) -> Router:
-    api = ApiSettings(model=MODEL, generation=GenerationLimits(max_model_len=4096))
-    router = Router(RouterConfig(api=api, host="127.0.0.1", port=0, queue_timeout_s=20.0),
-                    ListInstanceSource(addresses))
-    await router.start()
-    for _ in range(100):
-        if len(router.instances.dispatchable()) == len(addresses):
-            break
-        await asyncio.sleep(0.05)
-    return router
-
-
-async def unfailed(instance: SimInstanceProcess, path: str, body: dict) -> str:
+async def unfailed(instance: EnginePair, path: str, body: dict) -> str:
     async with aiohttp.ClientSession() as session, session.post(instance.engine_url + path,
                                                                 json=body) as response:
         answer = await response.json()
@@ -78,57 +66,51 @@ def counter(router: Router, name: str) -> float:
 
 
 async def test_retry_before_the_first_token_when_an_engine_is_down(
-        instances: list[SimInstanceProcess]) -> None:
+        instances: list[EnginePair], router_over: RouterOver) -> None:
     dead, running = alive(instances)[:2]
-    router = await start_router([dead.grpc_address, running.grpc_address])
-    try:
-        dead.kill_engine()  # its llumlet still streams a load that looks idle
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        answers = await asyncio.gather(*(
-            client.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=5) for i in range(6)))
-        assert all(len(a.choices[0].text) == 5 for a in answers)
-        assert counter(router, "retries") >= 1
-    finally:
-        await router.shutdown()
+    router = await router_over([dead.grpc_address, running.grpc_address])
+    dead.kill_engine()  # its llumlet still streams a load that looks idle
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    answers = await asyncio.gather(*(
+        client.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=5) for i in range(6)))
+    assert all(len(a.choices[0].text) == 5 for a in answers)
+    assert counter(router, "retries") >= 1
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-async def test_token_replay_when_the_engine_dies_mid_stream(instances: list[SimInstanceProcess],
-                                                            endpoint: str) -> None:
+async def test_token_replay_when_the_engine_dies_mid_stream(instances: list[EnginePair],
+                                                            router_over: RouterOver, endpoint: str) -> None:
     first, second = alive(instances)[:2]
-    router = await start_router([first.grpc_address, second.grpc_address])
+    router = await router_over([first.grpc_address, second.grpc_address])
     by_address = {p.grpc_address: p for p in (first, second)}
-    try:
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        if endpoint == "completions":
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
-            expected = await unfailed(second, "/v1/completions", body)
-            stream = await client.completions.create(**body, stream=True,  # type: ignore[call-overload]
-                                                     stream_options={"include_usage": True})
-        else:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120}
-            expected = await unfailed(first, "/v1/chat/completions", body)
-            stream = await client.chat.completions.create(**body, stream=True,  # type: ignore[call-overload]
-                                                          stream_options={"include_usage": True})
-        pieces: list[str] = []
-        roles = 0
-        usage = None
-        async for chunk in stream:
-            for choice in chunk.choices:
-                if endpoint == "completions":
-                    pieces.append(choice.text)
-                else:
-                    pieces.append(choice.delta.content or "")
-                    roles += choice.delta.role == "assistant"
-            usage = chunk.usage or usage
-            if len("".join(pieces)) == 30:
-                by_address[serving(router)].kill_engine()
-        assert "".join(pieces) == expected
-        assert usage is not None and usage.completion_tokens == 120
-        assert endpoint == "completions" or roles == 1
-        assert counter(router, "replays") == 1
-    finally:
-        await router.shutdown()
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    if endpoint == "completions":
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
+        expected = await unfailed(second, "/v1/completions", body)
+        stream = await client.completions.create(**body, stream=True,  # type: ignore[call-overload]
+                                                 stream_options={"include_usage": True})
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 120}
+        expected = await unfailed(first, "/v1/chat/completions", body)
+        stream = await client.chat.completions.create(**body, stream=True,  # type: ignore[call-overload]
+                                                      stream_options={"include_usage": True})
+    pieces: list[str] = []
+    roles = 0
+    usage = None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if endpoint == "completions":
+                pieces.append(choice.text)
+            else:
+                pieces.append(choice.delta.content or "")
+                roles += choice.delta.role == "assistant"
+        usage = chunk.usage or usage
+        if len("".join(pieces)) == 30:
+            by_address[serving(router)].kill_engine()
+    assert "".join(pieces) == expected
+    assert usage is not None and usage.completion_tokens == 120
+    assert endpoint == "completions" or roles == 1
+    assert counter(router, "replays") == 1
 
 
 class MovingLlumlet(llumlet_pb2_grpc.LlumletServicer):
@@ -163,14 +145,15 @@ class MovingLlumlet(llumlet_pb2_grpc.LlumletServicer):
         yield pb.GenerateResponse(moved=pb.Moved(instance_id="destination", address=self.destination))
 
 
-async def test_a_moved_request_continues_from_its_destination(instances: list[SimInstanceProcess]) -> None:
+async def test_a_moved_request_continues_from_its_destination(instances: list[EnginePair],
+                                                              router_over: RouterOver) -> None:
     destination = alive(instances)[0]
     server = grpc.aio.server()
     llumlet_pb2_grpc.add_LlumletServicer_to_server(MovingLlumlet(destination.grpc_address, 25), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    router = await start_router([f"127.0.0.1:{port}"])
     try:
+        router = await router_over([f"127.0.0.1:{port}"])
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60}
         expected = await unfailed(destination, "/v1/completions", body)
         client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
@@ -179,5 +162,4 @@ async def test_a_moved_request_continues_from_its_destination(instances: list[Si
         assert text == expected
         assert counter(router, "moves") == 1 and counter(router, "replays") == 0
     finally:
-        await router.shutdown()
         await server.stop(grace=None)

@@ -1,0 +1,76 @@
+"""The OpenAI generation API as the llumnix HTTP fronts (llumlet, router, sim engine) serve it: the
+routes, reading a request body, and the checks every front makes before an engine sees the body."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from llumnix.openai_stream import EndpointKind, openai_error
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GenerateHandler = Callable[[web.Request, EndpointKind], Awaitable[web.StreamResponse]]
+
+
+class OpenAIRequestError(Exception):
+    """A request refused before it reaches an engine; `body` is the OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = openai_error(status, message, err_type, param)
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body, status=self.status)
+
+
+def add_openai_routes(app: web.Application, generate: GenerateHandler, models: Handler, health: Handler,
+                      metrics: Handler) -> web.Application:
+    """`/v1/completions` and `/v1/chat/completions` (both to `generate`), `/v1/models`, `/health`,
+    `/metrics`."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await generate(request, EndpointKind.COMPLETION)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await generate(request, EndpointKind.CHAT)
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> Any:
+    """The parsed body; 413 beyond `max_bytes` (the app's client_max_size), 400 if it is not JSON."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise OpenAIRequestError(413, f"request body exceeds {max_bytes} bytes") from None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise OpenAIRequestError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def check_generation_body(endpoint: EndpointKind, body: Any) -> dict[str, Any]:
+    """A JSON object with a prompt (completions) or messages (chat); the engine validates the rest."""
+    if not isinstance(body, dict):
+        raise OpenAIRequestError(400, "request body must be a JSON object")
+    if endpoint is EndpointKind.COMPLETION:
+        prompt = body.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise OpenAIRequestError(400, "'prompt' is required", param="prompt")
+        if not isinstance(prompt, (str, list)):
+            raise OpenAIRequestError(400, "'prompt' must be a string or a list", param="prompt")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise OpenAIRequestError(400, "'messages' must be a non-empty list", param="messages")
+    return body
