@@ -93,8 +93,9 @@ async def _engine_metrics(session: aiohttp.ClientSession, pair: EnginePair) -> A
         return parse_engine_metrics(await response.text())
 
 
-class StreamFailedError(Exception):
-    """A streamed response ended with an error event."""
+class RequestFailedError(Exception):
+    """The request failed: an error status before the response began, or an error event mid-stream
+    (which of the two depends on whether the engine had streamed anything yet)."""
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -102,7 +103,8 @@ async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, An
     """Token ids of the first choice, streaming or not (return_token_ids asked of both fronts)."""
     body = {**body, "return_token_ids": True}
     async with session.post(url + endpoint, json=body) as response:
-        assert response.status == 200, await response.text()
+        if response.status != 200:
+            raise RequestFailedError((await response.json(content_type=None))["error"])
         if not body.get("stream"):
             return (await response.json())["choices"][0]["token_ids"]
         tokens: list[int] = []
@@ -110,7 +112,7 @@ async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, An
             if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                 event = json.loads(line[6:])
                 if "error" in event:
-                    raise StreamFailedError(event["error"])
+                    raise RequestFailedError(event["error"])
                 for choice in event["choices"]:
                     tokens += choice.get("token_ids") or []
         return tokens
@@ -372,7 +374,7 @@ async def test_engine_death_makes_the_llumlet_unhealthy_and_fails_in_flight_requ
                         "both requests to run")
         killed_at = time.monotonic()
         pair.kill_engine()
-        with pytest.raises(StreamFailedError) as failed:
+        with pytest.raises(RequestFailedError) as failed:
             await http_request
         assert failed.value.args[0]["type"] == "EngineUnavailable"
         assert failed.value.args[0]["code"] in (502, 503)
