@@ -112,16 +112,18 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "endpoint", "body_json", "priority")
+    __slots__ = ("request_id", "endpoint", "body_json", "priority", "attach")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     endpoint: Endpoint
     body_json: str
     priority: Priority
-    def __init__(self, request_id: _Optional[str] = ..., endpoint: _Optional[_Union[Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    attach: bool
+    def __init__(self, request_id: _Optional[str] = ..., endpoint: _Optional[_Union[Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -160,12 +162,16 @@ class GenerateChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stop_reason_json: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., role: _Optional[str] = ..., logprobs_json: _Optional[str] = ..., extra_delta_json: _Optional[str] = ...) -> None: ...
 
 class Moved(_message.Message):
-    __slots__ = ("instance_id", "address")
+    __slots__ = ("instance_id", "address", "request_id", "migration_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    request_id: str
+    migration_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., migration_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "moved")
