@@ -52,5 +52,6 @@ class InstanceBackend(ABC):
     async def stop_instance(self, instance_id: str) -> None:
         """Stop and remove the instance (the loop drains it first). Idempotent."""
 
+    @abstractmethod
     async def close(self) -> None:
-        """Release what the backend holds (local mode stops its processes)."""
+        """Release what the backend holds (local mode stops its processes; the operator's pods stay)."""
