@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(BIN)/llumnix demo
+	$(BIN)/llumnix up -f deploy/examples/local-cpu.yaml --demo
 
 test: setup
 	$(BIN)/ruff check .

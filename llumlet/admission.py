@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -17,9 +17,9 @@ import aiohttp
 from llumlet.engine_client import EngineClient, EngineError, EngineUnavailableError
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
-from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable
+from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable, ResumePoint
 from llumnix.openai_request import OpenAIRequestError, check_generation_body
-from llumnix.openai_stream import EndpointKind, GenerationChunk, openai_error, parse_stream_chunk
+from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage, openai_error, parse_stream_chunk
 
 logger = logging.getLogger("llumlet.admission")
 
@@ -42,11 +42,44 @@ class AdmissionError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class MovedTo:
+    """Where a migrated request continues (the stream's last event on the source)."""
+
+    instance_id: str
+    address: str
+    request_id: str
+    migration_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class StreamEvent:
-    """One engine stream event: the engine's JSON as sent, and its chunks."""
+    """One engine stream event: the engine's JSON as sent, and its chunks; or the request's move."""
 
     payload: dict[str, Any]
     chunks: list[GenerationChunk]
+    moved: MovedTo | None = None
+
+
+class Suspension:
+    """A migration's final stage stops the request's engine stream; its coordinator then decides
+    whether the stream ends with a move or continues here from a resume point (recompute)."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stopped: asyncio.Future[bool] = loop.create_future()
+        """True once the stream stopped at the suspension, False if the request finished first."""
+        self._decision: asyncio.Future[MovedTo | ResumePoint] = loop.create_future()
+
+    def decide(self, decision: MovedTo | ResumePoint) -> None:
+        if not self._decision.done():
+            self._decision.set_result(decision)
+
+    async def decision(self) -> MovedTo | ResumePoint:
+        return await self._decision
+
+    def mark_stopped(self, stopped: bool) -> None:
+        if not self.stopped.done():
+            self.stopped.set_result(stopped)
 
 
 @dataclass(slots=True)
@@ -55,6 +88,7 @@ class _InFlight:
     aborted: bool = False
     failure: AdmissionError | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    suspension: Suspension | None = None
 
     def interrupt(self) -> None:
         if self.response is not None:
@@ -108,7 +142,7 @@ class Admission:
         return None
 
     def engine_body(self, record: RequestRecord) -> dict[str, Any]:
-        body = dict(record.body)
+        body = dict(record.resume.body if record.resume is not None else record.body)
         body["stream"] = True
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         body["return_token_ids"] = True
@@ -119,15 +153,25 @@ class Admission:
         return body
 
     async def generate(self, endpoint: EndpointKind, body: Any, request_id: str,
-                       high_priority: bool = False) -> AsyncGenerator[StreamEvent, None]:
+                       high_priority: bool = False, migratable: bool = False
+                       ) -> AsyncGenerator[StreamEvent, None]:
         """Streams the request's events. Raises `AdmissionError` before the first event when the
         request is refused, and at any point when it fails; an aborted request ends with a chunk
-        whose finish reason is "abort" for every unfinished choice."""
+        whose finish reason is "abort" for every unfinished choice; a `migratable` request that
+        moved ends with an event naming where it continues."""
         refusal = self.refusal()
         if refusal is not None:
             self.metrics.refused.inc()
             raise refusal
-        record = RequestRecord(request_id, endpoint, validate_body(endpoint, body), high_priority)
+        record = RequestRecord(request_id, endpoint, validate_body(endpoint, body), high_priority,
+                               migratable=migratable)
+        async with contextlib.aclosing(self.run(record)) as events:
+            async for event in events:
+                yield event
+
+    async def run(self, record: RequestRecord) -> AsyncGenerator[StreamEvent, None]:
+        """Books an already validated request (a new one, or one migrated in) and streams it."""
+        request_id = record.request_id
         try:
             self.requests.add(record)
         except DuplicateRequestError as exc:
@@ -136,16 +180,20 @@ class Admission:
         self.metrics.admitted.inc()
         self.tracker.notify()
         outcome = "failed"
+        moved = False
         try:
             async with contextlib.aclosing(self._stream(record, in_flight)) as events:
                 async for event in events:
+                    moved = event.moved is not None
                     yield event
-            outcome = "aborted" if in_flight.aborted else "finished"
+            outcome = "aborted" if in_flight.aborted else "moved" if moved else "finished"
         except GeneratorExit:
             outcome = "client-gone"  # the caller stopped reading; closing the stream aborts it
             raise
         finally:
             in_flight.closed.set()
+            if in_flight.suspension is not None:
+                in_flight.suspension.mark_stopped(False)
             self._in_flight.pop(request_id, None)
             self.requests.remove(request_id)
             self.metrics.finished.labels(outcome).inc()
@@ -153,30 +201,67 @@ class Admission:
 
     async def _stream(self, record: RequestRecord, in_flight: _InFlight
                       ) -> AsyncGenerator[StreamEvent, None]:
+        while True:
+            try:
+                async with contextlib.aclosing(self._engine_stream(record, in_flight)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except EngineError as exc:
+                suspension = in_flight.suspension
+                if suspension is not None and not in_flight.aborted and in_flight.failure is None:
+                    # The llumlet cut the stream for a migration's final stage.
+                    suspension.mark_stopped(True)
+                    decision = await suspension.decision()
+                    in_flight.suspension = None
+                    if isinstance(decision, MovedTo):
+                        yield StreamEvent({}, [], moved=decision)
+                        return
+                    record.resume = decision
+                    continue
+                if in_flight.aborted:
+                    yield _abort_event(record)
+                    return
+                if in_flight.failure is not None:
+                    raise in_flight.failure from None
+                if isinstance(exc, EngineUnavailableError):
+                    logger.warning("request failed: engine unavailable",
+                                   extra={"request_id": record.request_id, "reason": str(exc)})
+                raise AdmissionError(exc.status, exc.body) from None
+
+    async def _engine_stream(self, record: RequestRecord, in_flight: _InFlight
+                             ) -> AsyncGenerator[StreamEvent, None]:
+        resume = record.resume
         try:
-            in_flight.response = await self.engine.open_stream(record.endpoint, self.engine_body(record))
-            if in_flight.aborted or in_flight.failure is not None:
+            in_flight.response = await self.engine.open_stream(record.engine_endpoint,
+                                                               self.engine_body(record))
+            if in_flight.aborted or in_flight.failure is not None or in_flight.suspension is not None:
                 in_flight.interrupt()
             async for payload in self.engine.iter_events(in_flight.response):
                 if not record.started:
                     self.metrics.engine_ttft.observe(time.time() - record.admitted_at)
-                chunks = parse_stream_chunk(record.endpoint, payload)
+                chunks = parse_stream_chunk(record.engine_endpoint, payload)
+                if resume is not None:
+                    chunks = [_continued(chunk, record, resume) for chunk in chunks]
                 for chunk in chunks:
                     record.observe(chunk)
                 yield StreamEvent(payload, chunks)
-        except EngineError as exc:
-            if in_flight.aborted:
-                yield _abort_event(record)
-                return
-            if in_flight.failure is not None:
-                raise in_flight.failure from None
-            if isinstance(exc, EngineUnavailableError):
-                logger.warning("request failed: engine unavailable",
-                               extra={"request_id": record.request_id, "reason": str(exc)})
-            raise AdmissionError(exc.status, exc.body) from None
         finally:
             if in_flight.response is not None:
                 in_flight.response.close()
+
+    def suspend(self, request_id: str) -> Suspension | None:
+        """Stops the request's engine stream (vLLM aborts on disconnect) and holds its caller's stream
+        until the suspension is decided; None when the request is not running here."""
+        in_flight = self._in_flight.get(request_id)
+        if in_flight is None or in_flight.aborted or in_flight.suspension is not None:
+            return None
+        in_flight.suspension = Suspension()
+        in_flight.interrupt()
+        return in_flight.suspension
+
+    def running(self, request_id: str) -> bool:
+        return request_id in self._in_flight
 
     def abort(self, request_id: str) -> bool:
         in_flight = self._in_flight.get(request_id)
@@ -204,6 +289,15 @@ class Admission:
         except TimeoutError:
             return False
         return True
+
+
+def _continued(chunk: GenerationChunk, record: RequestRecord, resume: ResumePoint) -> GenerationChunk:
+    """A resumed stream's chunk as part of the original request: the caller has the prompt already,
+    and usage counts the original prompt and every generated token."""
+    usage = chunk.usage
+    if usage is not None:
+        usage = Usage(len(record.prompt_token_ids), usage.completion_tokens + resume.generated_before)
+    return replace(chunk, prompt_token_ids=(), usage=usage)
 
 
 def _abort_event(record: RequestRecord) -> StreamEvent:

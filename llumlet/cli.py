@@ -10,9 +10,11 @@ import socket
 import sys
 
 from llumlet.jsonlog import configure_json_logging
+from llumlet.migration.settings import MigrationSettings
 from llumlet.server import Llumlet, LlumletConfig
 from llumlet.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS
+from llumnix.policies.migration import SELECT_POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +44,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_HIGH_PRIORITY_TARGET_TOKENS,
                         help="tokens an instance with high-priority requests is kept near "
                              "(default: %(default)s)")
+    defaults = MigrationSettings()
+    parser.add_argument("--max-concurrent-migrations", type=int, default=defaults.max_concurrent,
+                        help="migrations this instance takes part in at once, in and out "
+                             "(default: %(default)s)")
+    parser.add_argument("--migration-select", choices=SELECT_POLICIES, default=defaults.select,
+                        help="request MigrateOut moves when not told (default: %(default)s)")
+    parser.add_argument("--migration-freeness-threshold", type=float, default=defaults.freeness_threshold,
+                        help="as a destination, take a request only if freeness stays at or above this "
+                             "(default: %(default)s)")
+    parser.add_argument("--migration-max-stages", type=int, default=defaults.max_stages,
+                        help="KV stages before the final one at most; 0 copies everything in the final "
+                             "stage (default: %(default)s)")
+    parser.add_argument("--migration-final-delta-blocks", type=int, default=defaults.final_delta_blocks,
+                        help="start the final stage once at most this many blocks are left to send "
+                             "(default: %(default)s)")
+    parser.add_argument("--migration-lease", type=float, default=defaults.lease_s, metavar="SECONDS",
+                        help="a destination's reservation and staging live this long unless renewed "
+                             "(default: %(default)s)")
+    # Test-only: destinations load zeros instead of the staged KV (shows the KV is what keeps output exact).
+    parser.add_argument("--migration-test-zero-kv", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -50,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"llumlet: --snapshot-addr or ${SNAPSHOT_ADDR_ENV} is required", file=sys.stderr, flush=True)
         return 2
     configure_json_logging(args.instance_id, args.log_level)
+    try:
+        migration = MigrationSettings(
+            max_concurrent=args.max_concurrent_migrations, select=args.migration_select,
+            freeness_threshold=args.migration_freeness_threshold, max_stages=args.migration_max_stages,
+            final_delta_blocks=args.migration_final_delta_blocks, lease_s=args.migration_lease)
+    except ValueError as exc:
+        print(f"llumlet: {exc}", file=sys.stderr, flush=True)
+        return 2
     config = LlumletConfig(
         instance_id=args.instance_id,
         engine_url=args.engine_url,
@@ -62,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace,
         engine_priority_scheduling=args.engine_priority_scheduling,
         high_priority_target_tokens=args.high_priority_target_tokens,
+        migration=migration,
+        migration_test_zero_kv=args.migration_test_zero_kv,
     )
     try:
         asyncio.run(Llumlet(config).serve_until_signal())
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"llumlet: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -55,7 +55,6 @@ class EngineLaunchConfig:
     snapshot_addr: str | None = None
     engine_id: str | None = None
     handshake_path: Path | None = None
-    kv_export_dir: Path | None = None
     # More kv_connector_extra_config keys (see docs/connector.md), e.g. {"idle_refresh_s": 0.5}.
     connector_extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
@@ -76,13 +75,13 @@ def connector_config(config: EngineLaunchConfig) -> dict[str, object]:
         extra["engine_id"] = config.engine_id
     if config.handshake_path:
         extra["handshake_path"] = str(config.handshake_path)
-    if config.kv_export_dir:
-        extra["kv_export_dir"] = str(config.kv_export_dir)
     extra.update(config.connector_extra)
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
+        # A migrated-in request whose staged KV is missing is recomputed, not failed (docs/migration.md).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 

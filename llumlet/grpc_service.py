@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from llumlet.admission import Admission, AdmissionError
+from llumlet.admission import Admission, AdmissionError, StreamEvent
 from llumlet.health import HealthReporter, HealthStatus
 from llumlet.load_tracker import LoadTracker, load_key
+from llumlet.migration.destination import Destination
 from llumnix.openai_stream import openai_error
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
@@ -46,10 +47,12 @@ def grpc_code_for(status: int) -> grpc.StatusCode:
 
 
 class LlumletService(llumlet_pb2_grpc.LlumletServicer):
-    def __init__(self, admission: Admission, tracker: LoadTracker, health: HealthReporter) -> None:
+    def __init__(self, admission: Admission, tracker: LoadTracker, health: HealthReporter,
+                 destination: Destination) -> None:
         self.admission = admission
         self.tracker = tracker
         self.health = health
+        self.destination = destination
 
     def _current_load(self) -> pb.InstanceLoad:
         report = self.tracker.report()
@@ -90,21 +93,41 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 json.dumps(openai_error(400, "request_id is required")))
+        if request.attach:
+            async for response in self._attach(request.request_id, context):
+                yield response
+            return
         try:
             endpoint = endpoint_from_proto(request.endpoint)
             body = json.loads(request.body_json)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, json.dumps(openai_error(400, str(exc))))
         events = self.admission.generate(endpoint, body, request.request_id,
-                                         request.priority == pb.PRIORITY_HIGH)
+                                         request.priority == pb.PRIORITY_HIGH, migratable=True)
         try:
             async for event in events:
-                for chunk in event.chunks:
-                    yield pb.GenerateResponse(chunk=chunk_to_proto(chunk))
+                for response in _responses(event):
+                    yield response
         except AdmissionError as exc:
             await context.abort(grpc_code_for(exc.status), json.dumps(exc.body))
         finally:
             await events.aclose()
+
+    async def _attach(self, request_id: str, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pb.GenerateResponse]:
+        """The output of a request that migrated in, from its first token here."""
+        stream = self.destination.attach(request_id)
+        if stream is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, json.dumps(openai_error(
+                404, f"no migrated request {request_id!r} waits here", "NotFoundError")))
+        try:
+            async for event in stream.events():
+                for response in _responses(event):
+                    yield response
+        except AdmissionError as exc:
+            await context.abort(grpc_code_for(exc.status), json.dumps(exc.body))
+        finally:
+            self.destination.detach(stream)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=self.admission.abort(request.request_id))
@@ -130,3 +153,12 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
             in_flight=report.in_flight,
             message=report.message,
         )
+
+
+def _responses(event: StreamEvent) -> list[pb.GenerateResponse]:
+    if event.moved is not None:
+        moved = event.moved
+        return [pb.GenerateResponse(moved=pb.Moved(instance_id=moved.instance_id, address=moved.address,
+                                                   request_id=moved.request_id,
+                                                   migration_id=moved.migration_id))]
+    return [pb.GenerateResponse(chunk=chunk_to_proto(chunk)) for chunk in event.chunks]

@@ -9,6 +9,9 @@ id `b` then covers kernel blocks `[b * k, (b + 1) * k)`.
 A transfer buffer holds all layers of a set of blocks, layer-major:
 `[layers, blocks * k, kv_heads, block_tokens, content]`, contiguous, so it can be sent as one message
 and written back on an engine with the same `KVLayout` (checked by the migration handshake).
+Migration stages use the block-major form `[blocks, layers, k, kv_heads, block_tokens, content]`
+(`copy_out_block_major` / `copy_in_block_major`): each block's bytes (all layers) are contiguous, so
+the destination can stage blocks one by one and a re-sent tail block replaces exactly its own bytes.
 """
 
 from __future__ import annotations
@@ -104,3 +107,27 @@ class KVBlockCopier:
             raise ValueError(f"buffer is {tuple(buffer.shape)}, {len(block_ids)} blocks need {shape}")
         for layer, src in zip(self._layers, buffer, strict=True):
             layer.index_copy_(0, index, src.to(device=layer.device, dtype=layer.dtype))
+
+    def block_major_shape(self, num_blocks: int) -> tuple[int, ...]:
+        layout = self.layout
+        return (num_blocks, len(layout.layer_names), layout.kernel_blocks_per_block, *layout.page_shape)
+
+    def copy_out_block_major(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks, in the order given, as one contiguous `block_major_shape(len(block_ids))` tensor."""
+        index = self._kernel_index(block_ids)
+        shape = self.block_major_shape(len(block_ids))
+        out = torch.empty(shape, dtype=self._layers[0].dtype, device=self._layers[0].device)
+        for position, layer in enumerate(self._layers):
+            out[:, position] = torch.index_select(layer, 0, index).view(shape[0], *shape[2:])
+        return out
+
+    def copy_in_block_major(self, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
+        """Writes a `copy_out_block_major` buffer into the blocks given (same count, possibly other ids)."""
+        index = self._kernel_index(block_ids)
+        shape = self.block_major_shape(len(block_ids))
+        if tuple(buffer.shape) != shape:
+            raise ValueError(f"buffer is {tuple(buffer.shape)}, {len(block_ids)} blocks need {shape}")
+        kernel_blocks = shape[0] * shape[2]
+        for position, layer in enumerate(self._layers):
+            source = buffer[:, position].reshape(kernel_blocks, *shape[3:])
+            layer.index_copy_(0, index, source.to(device=layer.device, dtype=layer.dtype))

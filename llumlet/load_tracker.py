@@ -57,6 +57,10 @@ class LoadTracker:
         self._sequence = 0
         self._version = 0
         self._changed = asyncio.Event()
+        # Migrations (llumlet/migration): requests moving out, and reservations for requests moving in.
+        self.migrating_out: set[str] = set()
+        self.migrating_in = 0
+        self.reserved_blocks = 0
 
     # --- inputs
     @property
@@ -147,6 +151,7 @@ class LoadTracker:
 
     def _load_from_snapshot(self, snapshot: EngineSnapshot) -> InstanceLoad:
         high = self.requests.high_priority_ids()
+        moving = self.migrating_out
         seen = {r.request_id for r in snapshot.running} | {r.request_id for r in snapshot.waiting}
         # Admitted but not yet in the engine's queue (in transit, tokenizing): they will be.
         pending = tuple(_pending_load(r) for r in self.requests
@@ -156,11 +161,14 @@ class LoadTracker:
             total_blocks=snapshot.total_blocks,
             free_blocks=snapshot.free_blocks,
             block_size=snapshot.block_size,
-            running=tuple(_engine_request_load(r, high) for r in snapshot.running),
-            waiting=tuple(_engine_request_load(r, high) for r in snapshot.waiting) + pending,
+            running=tuple(_engine_request_load(r, high, moving) for r in snapshot.running),
+            waiting=tuple(_engine_request_load(r, high, moving) for r in snapshot.waiting) + pending,
             draining=self._draining,
             preemptions=self._snapshot_preemptions,
             timestamp=snapshot.timestamp,
+            migrating_out=len(self.migrating_out),
+            migrating_in=self.migrating_in,
+            reserved_blocks=self.reserved_blocks,
         )
 
     def _load_from_metrics(self, metrics: EngineMetrics) -> InstanceLoad:
@@ -172,7 +180,7 @@ class LoadTracker:
         running = tuple(
             RequestLoad(r.request_id, r.prompt_tokens, r.output_tokens,
                         blocks_for_tokens(r.prompt_tokens + r.output_tokens, metrics.block_size),
-                        r.high_priority, r.admitted_at)
+                        r.high_priority, r.admitted_at, r.request_id in self.migrating_out)
             for r in started
         )
         return InstanceLoad(
@@ -185,10 +193,14 @@ class LoadTracker:
             draining=self._draining,
             preemptions=self._metrics_preemptions,
             timestamp=self._metrics_time,
+            migrating_out=len(self.migrating_out),
+            migrating_in=self.migrating_in,
+            reserved_blocks=self.reserved_blocks,
         )
 
 
-def _engine_request_load(request: EngineRequest, high_priority_ids: frozenset[str]) -> RequestLoad:
+def _engine_request_load(request: EngineRequest, high_priority_ids: frozenset[str],
+                         migrating_ids: set[str]) -> RequestLoad:
     return RequestLoad(
         request_id=request.request_id,
         prompt_tokens=request.prompt_tokens,
@@ -196,6 +208,7 @@ def _engine_request_load(request: EngineRequest, high_priority_ids: frozenset[st
         blocks=request.blocks,
         high_priority=request.high_priority or request.request_id in high_priority_ids,
         arrival_time=request.arrival_time,
+        migrating=request.request_id in migrating_ids,
     )
 
 
@@ -208,4 +221,4 @@ def load_key(report: LoadReport) -> tuple[object, ...]:
     """What makes two reports different to a subscriber (not their age or sequence number)."""
     load = report.load
     return (load.total_blocks, load.free_blocks, load.running, load.waiting, load.draining,
-            load.preemptions, load.reserved_blocks, report.source)
+            load.preemptions, load.reserved_blocks, load.migrating_in, load.migrating_out, report.source)

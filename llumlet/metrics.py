@@ -62,6 +62,21 @@ class LlumletMetrics:
         self.refused = Counter(f"{PREFIX}_refused_requests",
                                "Requests refused (draining, shutting down or engine down)",
                                registry=self.registry)
+        self.migrations = Counter(f"{PREFIX}_migrations", "Migrations this instance took part in",
+                                  ["role", "outcome"], registry=self.registry)
+        self.migration_stages = Counter(f"{PREFIX}_migration_stages", "KV stages sent by migrations out",
+                                        registry=self.registry)
+        self.migration_bytes = Counter(f"{PREFIX}_migration_bytes", "KV bytes sent by migrations out",
+                                       registry=self.registry)
+        self.migration_downtime = Histogram(
+            f"{PREFIX}_migration_downtime_seconds",
+            "Committed migrations out: from the final-stage abort to the destination's first token",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+        self.migration_duration = Histogram(
+            f"{PREFIX}_migration_duration_seconds", "Migrations out, from Propose to their end",
+            ["outcome"], registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
         self.registry.register(_LoadCollector(instance_id, current_report))
 
     def exposition(self) -> bytes:

@@ -25,6 +25,16 @@ class DuplicateRequestError(ValueError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """How a request continues after its engine stream stopped part-way (migrated in, or resumed on the
+    source by recompute): a completion whose prompt is the original prompt plus the tokens generated so
+    far (`body`, the llumlet adds its own fields), counted on top of `generated_before`."""
+
+    body: dict[str, Any]
+    generated_before: int
+
+
 @dataclass(slots=True)
 class RequestRecord:
     request_id: str
@@ -37,6 +47,10 @@ class RequestRecord:
     generated_token_ids: dict[int, list[int]] = field(default_factory=dict)
     """Choice index -> tokens generated so far."""
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    migratable: bool = False
+    """Its stream can end with a move (gRPC callers follow `Moved`; the HTTP front cannot)."""
+    resume: ResumePoint | None = None
+    """Set once the request continues from a resume point rather than from `body`."""
 
     @property
     def sampling_params(self) -> dict[str, Any]:
@@ -57,6 +71,11 @@ class RequestRecord:
         if self.prompt_token_ids:
             return len(self.prompt_token_ids)
         return estimate_prompt_tokens(self.endpoint, self.body)
+
+    @property
+    def engine_endpoint(self) -> EndpointKind:
+        """A resumed request is a completion over token ids whatever the client called."""
+        return EndpointKind.COMPLETION if self.resume is not None else self.endpoint
 
     def observe(self, chunk: GenerationChunk) -> None:
         if chunk.prompt_token_ids and not self.prompt_token_ids:

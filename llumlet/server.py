@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -20,10 +20,13 @@ from llumlet.health import HealthReporter
 from llumlet.http_front import HttpFront
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
+from llumlet.migration.coordinator import MigrationCoordinator
+from llumlet.migration.service import MigrationService
+from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
 from llumlet.snapshots import SnapshotSubscriber
 from llumnix.load import LoadModelConfig
-from llumnix.v1 import llumlet_pb2_grpc
+from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
 
 logger = logging.getLogger("llumlet")
 
@@ -41,6 +44,9 @@ class LlumletConfig:
     shutdown_grace_s: float = 30.0
     engine_priority_scheduling: bool = False
     high_priority_target_tokens: int = LoadModelConfig().high_priority_target_tokens
+    migration: MigrationSettings = field(default_factory=MigrationSettings)
+    migration_test_zero_kv: bool = False
+    """Test-only (hidden flag): migrated requests load zeros instead of their staged KV."""
 
 
 class Llumlet:
@@ -54,6 +60,7 @@ class Llumlet:
         self.admission = Admission(self.engine, self.requests, self.tracker, self.metrics,
                                    config.engine_priority_scheduling)
         self.health = HealthReporter(self.admission, self.tracker)
+        self.migration: MigrationCoordinator | None = None
         self._subscriber: SnapshotSubscriber | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: web.AppRunner | None = None
@@ -69,13 +76,20 @@ class Llumlet:
                                              self.config.engine_check_interval_s), name="engine-watch"),
         ]
         self._grpc = grpc.aio.server()
-        llumlet_pb2_grpc.add_LlumletServicer_to_server(
-            LlumletService(self.admission, self.tracker, self.health), self._grpc)
         grpc_address = f"{self.config.host}:{self.config.grpc_port}"
         try:
             self.grpc_port = self._grpc.add_insecure_port(grpc_address)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {grpc_address} (gRPC): {exc}") from None
+        self.migration = MigrationCoordinator(
+            self.config.instance_id, f"{self.config.host}:{self.grpc_port}", self.config.snapshot_addr,
+            self.admission, self.tracker, self.metrics, self.config.migration,
+            self.config.migration_test_zero_kv)
+        self.migration.start()
+        llumlet_pb2_grpc.add_LlumletServicer_to_server(
+            LlumletService(self.admission, self.tracker, self.health, self.migration.destination), self._grpc)
+        migration_pb2_grpc.add_LlumletMigrationServicer_to_server(
+            MigrationService(self.migration.source, self.migration.destination), self._grpc)
         await self._grpc.start()
         self._http = web.AppRunner(HttpFront(self.admission, self.health, self.metrics).app(),
                                    access_log=None, shutdown_timeout=1.0)
@@ -107,6 +121,8 @@ class Llumlet:
             await self._grpc.stop(grace=0.5)
         if self._http is not None:
             await self._http.cleanup()
+        if self.migration is not None:
+            await self.migration.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

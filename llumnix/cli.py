@@ -15,6 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim-engine": ("llumnix.sim_engine.cli", "simulated engine: vLLM's OpenAI API + load snapshots, no GPU"),
     "router": ("llumnix.router.cli", "OpenAI-compatible gateway dispatching over llumlets by live load"),
     "bench": ("llumnix.bench", "replay a trace against an OpenAI endpoint; latency report, JSON and PNG"),
+    "operator": ("llumnix_operator.cli", "run the Kubernetes operator for LLMService resources (kopf)"),
+    "drain-instance": ("llumnix_operator.drain_hook", "preStop hook: drain the local llumlet by migration"),
+    "up": ("llumnix.up", "run an LLMService on this machine: engines, router, control loop, admin API"),
+    "admin": ("llumnix.admin_cli", "inspect and steer a running service: status, drain, undrain, migrate"),
 }
 
 

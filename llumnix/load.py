@@ -87,6 +87,11 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) if tokens > 0 else 0
 
 
+def queued_demand(load: InstanceLoad) -> int:
+    """Blocks every queued request needs before it can be scheduled."""
+    return sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in load.waiting)
+
+
 def head_of_line_demand(load: InstanceLoad) -> int:
     """Blocks the first queued request needs before it can be scheduled."""
     if not load.waiting:
@@ -160,19 +165,25 @@ def memory_load(load: InstanceLoad) -> float:
     """Fraction of memory in use or demanded by every queued request (INFaaS++'s load)."""
     if load.draining:
         return math.inf
-    queued = sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in load.waiting)
-    return (load.used_blocks + load.reserved_blocks + queued) / max(1, load.total_blocks)
+    return (load.used_blocks + load.reserved_blocks + queued_demand(load)) / max(1, load.total_blocks)
 
 
 def aggregate_freeness(
     loads: Iterable[InstanceLoad],
     config: LoadModelConfig = DEFAULT_LOAD_MODEL,
     exclude_capacity_of: str | None = None,
+    added_blocks: int = 0,
 ) -> float:
-    """Freeness of the cluster seen as one instance: draining instances count neither capacity nor
-    batch (their requests are leaving); `exclude_capacity_of` removes one instance's capacity
-    but keeps its requests (the cluster after that instance is drained)."""
-    capacity = 0.0
+    """Freeness of the cluster seen as one instance, for capacity planning (autoscaling).
+
+    The whole backlog counts: every queued request's blocks are usage and every queued request is
+    in the batch, as in the Llumnix artifact's scaling load. An instance's own freeness looks only
+    at its head of line (what its next iterations face), but instances to add or remove must cover
+    every queued request; counting only each queue's head hid a backlog of dozens of requests.
+    Draining instances count neither capacity nor batch (their requests are leaving);
+    `exclude_capacity_of` removes one instance's capacity but keeps its requests (the cluster after
+    that instance is drained); `added_blocks` is capacity not serving yet (instances starting)."""
+    capacity = float(added_blocks)
     usage = 0.0
     batch = 0
     for load in loads:
@@ -180,8 +191,9 @@ def aggregate_freeness(
             continue
         if load.instance_id != exclude_capacity_of:
             capacity += load.total_blocks
-        usage += virtual_usage(load, config)
-        batch += batch_size(load)
+        usage += load.used_blocks + load.reserved_blocks + queued_demand(load)
+        usage += high_priority_headroom(load, config)
+        batch += len(load.running) + len(load.waiting)
     return (capacity - usage) / max(1, batch)
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from llumnix.service_spec import (
@@ -142,3 +143,23 @@ def crd_manifest() -> dict[str, Any]:
             ],
         },
     }
+
+
+def _field_rows(schema: dict[str, Any], path: str) -> list[str]:
+    properties = schema.get("properties")
+    if schema.get("type") == "object" and properties:
+        return [row for key, sub in properties.items() for row in _field_rows(sub, f"{path}.{key}")]
+    kind = schema.get("type", "")
+    if "enum" in schema:
+        kind += " (" + " \\| ".join(schema["enum"]) + ")"
+    default = json.dumps(schema["default"]) if "default" in schema else ""
+    limits = (("minimum", "≥"), ("maximum", "≤"))
+    bounds = ", ".join(f"{sign} {schema[key]}" for key, sign in limits if key in schema)
+    description = (schema.get("description") or "").replace("|", "\\|")
+    return [f"| `{path}` | {kind} | {default} | {bounds} | {description} |"]
+
+
+def spec_fields_table() -> str:
+    """The Markdown table of every `.spec` field (scripts/gen_crd.py writes it into docs/operator.md)."""
+    header = "| Field | Type | Default | Range | Meaning |\n|---|---|---|---|---|\n"
+    return header + "\n".join(_field_rows(SPEC_SCHEMA, "spec")) + "\n"

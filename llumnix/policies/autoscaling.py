@@ -1,7 +1,9 @@
 """Autoscaling policy: the cluster's aggregate freeness against two bounds.
 
-- Below `scale_up_below`: start one instance (up to `max_instances`; instances still starting
-  count, so one slow start-up does not trigger a stampede).
+- Below `scale_up_below`: start one instance (up to `max_instances`). Instances still starting
+  count with their empty capacity: another one starts only while the cluster would still be below
+  the bound with them serving, so a slow start-up neither triggers a stampede nor, as a rule of
+  one start-up at a time did, holds a growing backlog to one new instance per start-up delay.
 - Above `scale_down_above` even with one instance's capacity removed: pick the freest instance
   (ties: fewest requests), mark it draining; migration empties it; once empty it is released.
 - A drain is cancelled (the instance serves again) if load rises so that the cluster without it
@@ -54,6 +56,19 @@ def drain_candidate(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFA
     return best.instance_id
 
 
+def _short_with_starting(
+    serving: Sequence[InstanceLoad], starting: int, config: AutoscalingConfig, model: LoadModelConfig
+) -> bool:
+    """Whether the cluster stays below the lower bound once the `starting` instances serve (each
+    as large as the serving ones on average; with none serving, one start-up at a time)."""
+    if starting == 0:
+        return True
+    if not serving:
+        return False
+    per_instance = sum(load.total_blocks for load in serving) // len(serving)
+    return aggregate_freeness(serving, model, added_blocks=starting * per_instance) < config.scale_up_below
+
+
 def decide(
     loads: Sequence[InstanceLoad],
     starting: int,
@@ -73,7 +88,8 @@ def decide(
     if agg < config.scale_up_below:
         if draining:
             return ScalingAction("cancel-drain", draining[0], f"aggregate freeness {agg:.1f} fell again", agg)
-        if starting == 0 and len(serving) < config.max_instances:
+        room = len(serving) + starting < config.max_instances
+        if room and _short_with_starting(serving, starting, config, model):
             return ScalingAction(
                 "scale-up", None, f"aggregate freeness {agg:.1f} < {config.scale_up_below}", agg
             )

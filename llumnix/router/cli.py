@@ -20,6 +20,7 @@ from llumnix.router.api_keys import API_KEYS_ENV, load_api_keys
 from llumnix.router.client_request import PrioritySettings, RequestLimits
 from llumnix.router.generation import GenerationLimits
 from llumnix.router.instance_source import (
+    DnsInstanceSource,
     FileInstanceSource,
     InstanceSource,
     ListInstanceSource,
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="llumlet gRPC addresses host:port, comma-separated")
     where.add_argument("--instances-file", metavar="FILE", type=Path,
                        help="file of llumlet gRPC addresses (one per line), re-read when it changes")
+    where.add_argument("--instances-dns", metavar="NAME:PORT",
+                       help="DNS name whose addresses are the llumlets (a Kubernetes headless Service), "
+                       "re-resolved every 2 s")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default: %(default)s)")
     parser.add_argument("--port", type=int, help="HTTP port (default: the service's, or 8000)")
     parser.add_argument("--dispatch-policy", choices=POLICY_NAMES, help="default: the service's, or llumnix")
@@ -113,6 +117,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def build_source(args: argparse.Namespace) -> InstanceSource:
+    if args.instances_dns is not None:
+        return DnsInstanceSource.parse(args.instances_dns)
     if args.instances_file is not None:
         source = FileInstanceSource(args.instances_file)
         source.read()  # a missing or malformed file is a start-up error, not a silent empty service

@@ -3,7 +3,10 @@
 - Before the first token: an instance that is unavailable (refusal, connection error) is skipped
   for a while and the request is sent again through dispatch.
 - After the first token: if the instance fails, the request resumes on another instance by token
-  replay (`replay.py`); on `Moved` it continues at the destination the same way.
+  replay (`replay.py`).
+- On `Moved` (the request migrated live) the router attaches to the destination's stream
+  (`Generate(attach=true)`), which continues from the first token produced there; only if attaching
+  fails (NOT_FOUND, UNAVAILABLE) does it fall back to token replay.
 - Splicing: replayed chunks lose what the client already has (prompt token ids, the chat role), and
   usage is recomputed at the end, so the client sees one response and each token once.
 """
@@ -34,6 +37,8 @@ logger = logging.getLogger("llumnix.router.generation")
 RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 """Failures of the instance (refused while draining or with its engine down, connection lost, server
 stopped) rather than of the request: try elsewhere."""
+ATTACH_FAILED_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE})
+"""Attaching to a migrated request failed (it is not there, or the destination is gone): replay it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +98,10 @@ class Generation:
         """The spliced output; raises RouterError when the request cannot be completed."""
         endpoint, body = self.request.endpoint, self.request.body
         target: Instance | None = None
+        attach_id: str | None = None  # after a move: the next call attaches at the destination
         for attempt in range(self.limits.max_attempts):
             sub_id = self.request.request_id if attempt == 0 else f"{self.request.request_id}.{attempt}"
+            sub_id = attach_id or sub_id
             load = RequestLoad(sub_id, self.request.prompt_tokens_estimate + self.out.tokens,
                                high_priority=self.request.high_priority, arrival_time=time.time())
             if target is None:
@@ -105,9 +112,12 @@ class Generation:
             self.instance_id = instance.instance_id
             moved: pb.Moved | None = None
             failure: str | None = None
-            call = instance.stub.Generate(pb.GenerateRequest(
-                request_id=sub_id, endpoint=endpoint_to_proto(endpoint), body_json=json.dumps(body),
-                priority=pb.PRIORITY_HIGH if self.request.high_priority else pb.PRIORITY_NORMAL))
+            if attach_id is not None:
+                call = instance.stub.Generate(pb.GenerateRequest(request_id=attach_id, attach=True))
+            else:
+                call = instance.stub.Generate(pb.GenerateRequest(
+                    request_id=sub_id, endpoint=endpoint_to_proto(endpoint), body_json=json.dumps(body),
+                    priority=pb.PRIORITY_HIGH if self.request.high_priority else pb.PRIORITY_NORMAL))
             try:
                 async for message in call:
                     if message.HasField("moved"):
@@ -117,41 +127,51 @@ class Generation:
                     if chunk is not None:
                         yield chunk
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RESUMABLE_CODES:
+                attaching = attach_id is not None and exc.code() in ATTACH_FAILED_CODES
+                if exc.code() not in RESUMABLE_CODES and not attaching:
                     raise RouterError.from_grpc(exc) from None
-                instance.mark_unavailable()
+                if exc.code() in RESUMABLE_CODES:
+                    instance.mark_unavailable()
                 failure = f"{exc.code().name}: {exc.details()}"
             finally:
                 call.cancel()
                 instance.release(sub_id)
-            if moved is None and failure is None:
+            attach_id = None
+            if moved is not None:
+                self.metrics.moves.inc()
+                logger.info("following a migrated request", extra={
+                    "request_id": self.request.request_id, "instance_id": instance.instance_id,
+                    "destination": moved.address, "tokens_sent": self.out.tokens})
+                target = self.instances.connection(moved.address)
+                if moved.request_id:
+                    attach_id = moved.request_id
+                    continue
+                failure = "moved without a request id to attach to"  # continue there by replay
+            elif failure is None:
                 if self._complete():
                     instance.mark_available()
                     return
                 failure = "the stream ended before the request finished"
-            resume = self._resume(moved, failure, instance)
+            resume = self._resume(failure, instance, counted=moved is not None)
             if resume is None:
                 return
             endpoint, body = resume
-            if moved is not None:
-                target = self.instances.connection(moved.address)
         raise RouterError(503, f"the request failed on {self.limits.max_attempts} instances; retry later",
                           "ServiceUnavailableError", retry_after_s=1.0)
 
     def _complete(self) -> bool:
         return bool(self.out.finished) and self.out.finished.issuperset(self.out.generated)
 
-    def _resume(self, moved: pb.Moved | None, failure: str | None, instance: Instance
+    def _resume(self, failure: str, instance: Instance, counted: bool = False
                 ) -> tuple[EndpointKind, dict[str, Any]] | None:
-        """The endpoint and body to continue with; None when nothing is left to generate."""
+        """The endpoint and body to continue with; None when nothing is left to generate. `counted`:
+        a move already counted (not a retry or replay)."""
         log = {"request_id": self.request.request_id, "instance_id": instance.instance_id,
                "tokens_sent": self.out.tokens}
         if self.out.tokens == 0:
-            if moved is None:
+            if not counted:
                 self.metrics.retries.inc()
                 logger.info("retrying on another instance", extra={**log, "reason": failure})
-            else:
-                self.metrics.moves.inc()
             return self.request.endpoint, self.request.body
         generated = self.out.generated.get(0, [])
         try:
@@ -165,12 +185,9 @@ class Generation:
             raise RouterError(503, f"the instance serving the request failed and it cannot be resumed: "
                               f"{exc}", "ServiceUnavailableError") from None
         self._replayed = True
-        if moved is None:
+        if not counted:
             self.metrics.replays.inc()
             logger.warning("resuming by token replay", extra={**log, "reason": failure})
-        else:
-            self.metrics.moves.inc()
-            logger.info("following a migrated request", extra={**log, "destination": moved.address})
         return EndpointKind.COMPLETION, body
 
     def _splice(self, chunk: GenerationChunk) -> GenerationChunk | None:

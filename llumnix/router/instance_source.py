@@ -1,13 +1,15 @@
 """Where the router learns which llumlets exist. Instances appear and disappear at run time (scaling,
 failures): a source reports the whole current set of llumlet gRPC addresses whenever it changes.
 
-A static list (`--instances`) and a file that is re-read when it changes (`--instances-file`) are
-here; local mode and the operator plug in their own source."""
+A static list (`--instances`), a file that is re-read when it changes (`--instances-file`) and a DNS
+name re-resolved periodically (`--instances-dns`, a Kubernetes headless Service) are here; local mode
+plugs in its own source."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -81,5 +83,44 @@ class FileInstanceSource(InstanceSource):
             except (OSError, ValueError):
                 continue  # a file being rewritten: keep the last good set
             if addresses != current:
+                current = addresses
+                yield current
+
+
+class DnsInstanceSource(InstanceSource):
+    """Every address a DNS name resolves to, at one port, re-resolved periodically. A Kubernetes
+    headless Service publishes one A record per ready pod, so the set follows scaling and failures."""
+
+    def __init__(self, host: str, port: int, poll_interval_s: float = 2.0) -> None:
+        self.host = host
+        self.port = port
+        self.poll_interval_s = poll_interval_s
+
+    @classmethod
+    def parse(cls, target: str, poll_interval_s: float = 2.0) -> DnsInstanceSource:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--instances-dns {target!r} is not NAME:PORT")
+        return cls(host, int(port), poll_interval_s)
+
+    async def resolve(self) -> frozenset[str] | None:
+        """The current addresses; empty when the name does not exist (a headless Service with no ready
+        pod), None on other lookup failures (keep the last good set)."""
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            no_such_name = exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None))
+            return frozenset() if no_such_name else None
+        return frozenset(f"[{ip}]:{self.port}" if family == socket.AF_INET6 else f"{ip}:{self.port}"
+                         for family, _, _, _, (ip, *_) in infos)
+
+    async def updates(self) -> AsyncIterator[frozenset[str]]:
+        current = await self.resolve() or frozenset()
+        yield current
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            addresses = await self.resolve()
+            if addresses is not None and addresses != current:
                 current = addresses
                 yield current

@@ -1,5 +1,5 @@
-"""The router's view of its instances: per llumlet a gRPC channel, a `WatchLoad` subscription that
-keeps the latest load (reconnecting with backoff), and the router's own in-flight accounting.
+"""The router's view of its instances: per llumlet a connection with its live load
+(`llumnix.llumlet_client.LlumletConnection`) and the router's own in-flight accounting.
 
 Router state is rebuilt from the load streams only, so router replicas need no state sync. Between
 two loads the router adds the requests it dispatched that the instance does not list yet
@@ -13,64 +13,30 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-import grpc
-
+from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import InstanceLoad, RequestLoad, with_pending
 from llumnix.router.instance_source import InstanceSource
-from llumnix.v1 import llumlet_pb2 as pb
-from llumnix.v1 import llumlet_pb2_grpc
-from llumnix.wire import LoadReport, report_from_proto
+from llumnix.wire import LoadReport
 
 logger = logging.getLogger("llumnix.router.instances")
 
-WATCH_MIN_INTERVAL_MS = 20
-WATCH_MAX_INTERVAL_MS = 1000
-STALE_AFTER_S = 3.0
-"""No load (not even the 1 s heartbeat) for this long: the stream is down, do not dispatch there."""
-RECONNECT_BACKOFF_S = (0.1, 2.0)
 UNAVAILABLE_COOLDOWN_S = 2.0
 """After an instance refused or failed a request as unavailable, skip it this long (its load
 stream may still look healthy: the llumlet is up, its engine is not)."""
 
 
-class Instance:
+class Instance(LlumletConnection):
     """One llumlet as the router sees it."""
 
     def __init__(self, address: str, on_change: Callable[[], None]) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = llumlet_pb2_grpc.LlumletStub(self.channel)
-        self.report: LoadReport | None = None
-        self.last_seen = -float("inf")
+        super().__init__(address, on_change)
         self.pending: dict[str, RequestLoad] = {}
         """Dispatched here and not yet listed in the instance's load."""
         self.in_flight: set[str] = set()
         self.unavailable_until = -float("inf")
-        self.removed = False
         self._effective: InstanceLoad | None = None
         """`effective_load()` until the load or the pending requests change (dispatch reads it for
         every instance on every decision)."""
-        self._on_change = on_change
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def instance_id(self) -> str:
-        return self.report.load.instance_id if self.report else self.address
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._watch(), name=f"watch-load {self.address}")
-
-    async def close(self) -> None:
-        self.removed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.channel.close(grace=None)
-
-    def connected(self, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        return self.report is not None and now - self.last_seen < STALE_AFTER_S
 
     def dispatchable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -103,43 +69,12 @@ class Instance:
         self.in_flight.discard(request_id)
         self._on_change()
 
-    def observe(self, report: LoadReport) -> None:
-        if self.report is not None and report.sequence <= self.report.sequence \
-                and report.load.timestamp <= self.report.load.timestamp:
-            return  # reordered or repeated (a restarted llumlet restarts its sequence, with newer time)
-        self.report = report
+    def _observed(self, report: LoadReport) -> None:
         self._effective = None
-        self.last_seen = time.monotonic()
         if self.pending:
             listed = {r.request_id for r in report.load.running} | {r.request_id for r in report.load.waiting}
             for request_id in listed.intersection(self.pending):
                 del self.pending[request_id]
-        self._on_change()
-
-    async def _watch(self) -> None:
-        backoff = RECONNECT_BACKOFF_S[0]
-        request = pb.WatchLoadRequest(min_interval_ms=WATCH_MIN_INTERVAL_MS,
-                                      max_interval_ms=WATCH_MAX_INTERVAL_MS)
-        while not self.removed:
-            try:
-                async for message in self.stub.WatchLoad(request):
-                    first = self.report is None or not self.connected()
-                    self.observe(report_from_proto(message))
-                    if first:
-                        logger.info("instance load stream up",
-                                    extra={"address": self.address, "instance_id": self.instance_id})
-                    backoff = RECONNECT_BACKOFF_S[0]
-            except grpc.aio.AioRpcError as exc:
-                if self.connected():
-                    logger.warning("instance load stream down", extra={
-                        "address": self.address, "instance_id": self.instance_id, "code": exc.code().name})
-            except ValueError as exc:  # a load this router cannot read (a newer llumlet's enum value)
-                logger.warning("unreadable load; resubscribing", extra={"address": self.address,
-                                                                       "reason": str(exc)})
-            self.last_seen = -float("inf")
-            self._on_change()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
 
 
 class InstanceSet:

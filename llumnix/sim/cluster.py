@@ -6,7 +6,8 @@ Events (a heap of (time, sequence, handler, argument)):
 - the control tick every `migration_interval_s`: migration pairing and request selection with
   `llumnix.policies.migration` (systems that migrate), then a fragmentation sample;
 - the end of a migration stage (`llumnix.sim.migration`);
-- the autoscaling tick every `autoscaling.interval_s` (`llumnix.policies.autoscaling.decide`) and
+- the autoscaling tick every `autoscaling.interval_s` (`llumnix.policies.autoscaling.decide`; a drain
+  only once it has been wanted for `scale_down_stabilization_s`, as in the operator) and
   the moment a started instance becomes ready.
 The loop ends when every request has finished.
 """
@@ -96,6 +97,7 @@ class Cluster:
         self.released: list[SimInstance] = []
         self.pending: list[SimRequest] = []
         """Arrived while no instance could take them (all starting or draining)."""
+        self._drain_wanted_since: float | None = None
         self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -259,12 +261,22 @@ class Cluster:
             scaling,
             self.config.load_model,
         )
+        drain_wanted_for = 0.0
+        if action.kind != "drain":
+            self._drain_wanted_since = None
+        else:
+            if self._drain_wanted_since is None:
+                self._drain_wanted_since = now
+            drain_wanted_for = now - self._drain_wanted_since
         if action.kind == "scale-up":
             instance = self._new_instance()
             self.starting.append(instance)
             self._record_instances()
             self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
+        elif action.kind == "drain" and drain_wanted_for < self.config.scale_down_stabilization_s:
+            pass  # not wanted for long enough yet
         elif action.kind in ("drain", "cancel-drain"):
+            self._drain_wanted_since = None
             instance = next(i for i in self.ready if i.instance_id == action.instance_id)
             instance.set_draining(action.kind == "drain")
             if action.kind == "cancel-drain":

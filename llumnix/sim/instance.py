@@ -195,9 +195,12 @@ class SimInstance:
             request.blocks = need
             request.state = PREFILLING
             request.prefill_target = target
-            request.prefilled = 0
+            # Staged KV counts as computed once; the last token is always recomputed.
+            request.prefilled = min(request.cached_tokens, target - 1)
+            request.cached_tokens = 0
             self.prefilling.append(request)
-            tokens = target if whole_prompts else min(target, token_budget)
+            left = target - request.prefilled
+            tokens = left if whole_prompts else min(left, token_budget)
             chunks.append((request, tokens))
             token_budget -= tokens
             seqs += 1

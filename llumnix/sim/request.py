@@ -19,6 +19,7 @@ class SimRequest:
     __slots__ = (
         "arrival_time",
         "blocks",
+        "cached_tokens",
         "finish_time",
         "first_token_time",
         "generated",
@@ -62,6 +63,9 @@ class SimRequest:
         """Tokens of the current prefill computed so far (chunked prefill computes it in pieces)."""
         self.prefill_target = 0
         """Tokens the current prefill computes: the prompt, plus generated tokens after a preemption."""
+        self.cached_tokens = 0
+        """Tokens whose KV arrives with the request (a live migration's staged KV): its first prefill
+        skips them."""
         self.state = WAITING
         self.instance_id = ""
         self.migrating = False

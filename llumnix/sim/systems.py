@@ -51,6 +51,9 @@ class SimConfig:
     """Stage bound: the stage after this many copies is the final one whatever the delta."""
     autoscaling: AutoscalingConfig | None = None
     """None: a fixed number of instances."""
+    scale_down_stabilization_s: float = 30.0
+    """A drain starts only once scale-down has been wanted this long, as the operator's control loop
+    does (`autoscaling.scaleDownStabilizationSeconds`, default 30 s)."""
     chunked_prefill: bool = False
     watermark: float = 0.01
     load_model: LoadModelConfig = DEFAULT_LOAD_MODEL

@@ -12,6 +12,7 @@ import socket
 
 from llumlet.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.profile import DEFAULT_PROFILE, bundled_profiles
+from llumnix.sim_engine.migration import DEFAULT_KV_BYTES_PER_BLOCK
 from llumnix.sim_engine.server import SimEngineConfig, SimEngineServer
 
 
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="as vLLM's: with 'priority', requests with priority < 0 are served first and "
         "preempted last (default: %(default)s)",
     )
+    parser.add_argument(
+        "--kv-bytes-per-block",
+        type=int,
+        default=DEFAULT_KV_BYTES_PER_BLOCK,
+        metavar="BYTES",
+        help="size of the fake KV payload per block that live migrations send (default: %(default)s)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         eos_probability=args.eos_probability,
         priority_scheduling=args.scheduling_policy == "priority",
+        kv_bytes_per_block=args.kv_bytes_per_block,
     )
     try:
         server = SimEngineServer(config)

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llumlet.engine_snapshot import build_snapshot
 from llumnix.sim.instance import SimInstance
@@ -23,6 +24,9 @@ from llumnix.sim_engine.requests import GenerationRequest
 from llumnix.sim_engine.snapshot import capture_state
 from llumnix.sim_engine.tokens import CONTEXT_TOKENS, EOS_TOKEN_ID, TokenGenerator, token_text
 from llumnix.v1.engine_pb2 import EngineSnapshot
+
+if TYPE_CHECKING:
+    from llumnix.sim_engine.migration import SimMigrationAgent
 
 logger = logging.getLogger("llumnix.sim_engine")
 
@@ -128,6 +132,8 @@ class SimEngine:
         self.engine_id = engine_id
         self.priority_scheduling = priority_scheduling
         self._snapshot_sink = snapshot_sink
+        self.migration: SimMigrationAgent | None = None
+        """Live migration (set by the server when the engine has a migration channel)."""
         self._generations: dict[str, Generation] = {}
         """By the SimRequest's id (the engine request id)."""
         self._work = asyncio.Event()
@@ -152,6 +158,8 @@ class SimEngine:
         )
         generation = Generation(engine_request_id, params, sim, now)
         self._generations[engine_request_id] = generation
+        if self.migration is not None:
+            self.migration.on_add(generation)
         self.instance.enqueue(sim)
         self._work.set()
         return generation
@@ -167,6 +175,8 @@ class SimEngine:
     def _release(self, generation: Generation) -> None:
         self._generations.pop(generation.engine_request_id, None)
         self.finished_by_reason[generation.finish_reason or FINISH_ABORT] += 1
+        if self.migration is not None:
+            self.migration.on_release(generation)
         self._work.set()
 
     async def run(self) -> None:
@@ -191,6 +201,8 @@ class SimEngine:
             for generation, before in zip(stepping, generated_before, strict=True):
                 if generation.sim.generated > before and not generation.finished:
                     self._emit(generation, now)
+            if self.migration is not None:
+                self.migration.after_step()
 
     def _emit(self, generation: Generation, now: float) -> None:
         sim = generation.sim

@@ -24,6 +24,7 @@ from llumnix.profile import load_profile
 from llumnix.sim.instance import EngineConfig, SimInstance
 from llumnix.sim_engine.engine import Generation, SimEngine
 from llumnix.sim_engine.metrics import EngineMetrics
+from llumnix.sim_engine.migration import DEFAULT_KV_BYTES_PER_BLOCK, SimMigrationAgent
 from llumnix.sim_engine.requests import RequestError, parse_request, type_error
 from llumnix.sim_engine.responses import ResponseWriter
 from llumnix.sim_engine.tokens import TokenGenerator
@@ -52,6 +53,8 @@ class SimEngineConfig:
     seed: int = 0
     eos_probability: float = 0.0
     priority_scheduling: bool = False
+    kv_bytes_per_block: int = DEFAULT_KV_BYTES_PER_BLOCK
+    """Size of the fake KV payload per block that migrations send."""
 
 
 def _dumps(body: Any) -> str:
@@ -123,6 +126,10 @@ class SimEngineServer:
             config, self._publisher.publish if self._publisher else None
         )
         self.metrics = EngineMetrics(self.engine, config.model)
+        # Migration needs the command and event sockets next to an ipc:// snapshot socket.
+        if config.snapshot_addr and config.snapshot_addr.startswith("ipc://"):
+            self.engine.migration = SimMigrationAgent(self.engine, config.snapshot_addr, config.host,
+                                                      config.model, config.kv_bytes_per_block)
         self.started = int(time.time())
         self._engine_task: asyncio.Task[None] | None = None
 
@@ -248,6 +255,8 @@ class SimEngineServer:
         # is aborted like in vLLM.
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        if self.engine.migration is not None:
+            self.engine.migration.start()
         self._engine_task = asyncio.create_task(self.engine.run(), name="sim-engine-steps")
         self._engine_task.add_done_callback(_log_crash)
         try:
@@ -268,6 +277,8 @@ class SimEngineServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._engine_task
             await runner.cleanup()
+            if self.engine.migration is not None:
+                self.engine.migration.close()
             if self._publisher is not None:
                 self._publisher.close()
 

@@ -1,5 +1,5 @@
 """One real CPU vLLM engine with the llumnix connector: snapshots against the engine's own metrics and
-real requests, and a request's KV blocks exported on finish (the path a final migration stage takes).
+real requests, and a request's KV blocks sent as a final migration stage (ExportFinal) to a KV receiver.
 
 The engine admits at most two running requests, so that requests also queue.
 """
@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from llumlet.engine_channel import EngineCommandClient, control_address
 from llumlet.engine_process import EngineLaunchConfig, EngineProcess
 from llumlet.handshake import read_handshake
 from llumlet.snapshots import SnapshotSubscriber
@@ -51,7 +52,7 @@ class Engine:
     subscriber: SnapshotSubscriber
     session: aiohttp.ClientSession
     handshake_path: Path
-    export_dir: Path
+    commands: EngineCommandClient
 
     async def complete(self, llumlet_id: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -90,15 +91,17 @@ async def engine(
     process = EngineProcess(EngineLaunchConfig(
         model=tiny_model_dir, port=free_port(), served_model_name="tiny", dtype="float32",
         block_size=BLOCK_SIZE, max_model_len=512, max_num_seqs=MAX_NUM_SEQS, snapshot_addr=addr,
-        engine_id="engine-0", kv_export_dir=work / "export", log_path=work / "engine.log",
+        engine_id="engine-0", log_path=work / "engine.log",
     ))
     # ~20-40 s on an idle 2-core machine; generous for a loaded one.
     await process.start(timeout_s=420)
     subscriber = SnapshotSubscriber(addr)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+    commands = EngineCommandClient(control_address(addr))
     try:
-        yield Engine(process, subscriber, session, work / "engine.sock.handshake.json", work / "export")
+        yield Engine(process, subscriber, session, work / "engine.sock.handshake.json", commands)
     finally:
+        commands.close()
         await session.close()
         subscriber.close()
         await process.stop()
@@ -206,35 +209,61 @@ async def test_handshake_record_describes_the_kv_cache(engine: Engine):
     assert record["num_blocks"] >= (await engine.snapshot()).total_blocks
 
 
-async def test_exported_blocks_hold_the_requests_kv_and_round_trip(engine: Engine, tiny_model_dir: Path):
+async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine, tiny_model_dir: Path):
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from llumlet.kv_blocks import KVBlockCopier
+    from llumlet.kv_transport import StagingStore, TcpKVReceiver
+    from llumnix.v1.kv_transfer_pb2 import EngineCommand, ExportFinal
 
-    result = await engine.complete("export-me", prompt_of(15), max_tokens=40, llumlet_export=True)
-    assert result["kv_transfer_params"]["llumlet_export_blocks"] >= 1
-    info_path = engine.export_dir / "export-me.json"
-    deadline = time.monotonic() + 20
-    while not info_path.exists():
-        assert time.monotonic() < deadline, "export did not appear"
-        await asyncio.sleep(0.1)
-    info = json.loads(info_path.read_text())
-    buffer = load_file(str(engine.export_dir / "export-me.safetensors"))["kv"]
-    token_ids = result["choices"][0]["prompt_token_ids"] + result["choices"][0]["token_ids"]
-    num_tokens = info["num_tokens"]
-    assert num_tokens == len(token_ids) - 1  # the newest sampled token has no KV yet
-    assert buffer.shape == (2, math.ceil(num_tokens / BLOCK_SIZE), 2, BLOCK_SIZE, 64)
+    record = read_handshake(engine.handshake_path)
+    layout = record["kv_layout"]
+    staging = StagingStore(int(layout["bytes_per_block"]), str(record["kv_dtype"]))
+    finals: list[int] = []
+    receiver = TcpKVReceiver("127.0.0.1", 0, staging=staging,
+                             on_stage=lambda header: header.final and finals.append(header.num_tokens))
+    receiver.start()
+    try:
+        body = {"model": "tiny", "prompt": prompt_of(15), "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "kv_transfer_params": {"llumlet_id": "export-me"}}
+        token_ids: list[int] = []
+        async with engine.session.post(f"{engine.process.url}/v1/completions", json=body) as response:
+            async for line in response.content:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                choice = json.loads(text[6:])["choices"][0]
+                if not token_ids:
+                    # Registered while the request runs; it takes effect when the request finishes.
+                    final = ExportFinal(migration_id="export-me", request_id="export-me",
+                                        kv_address=receiver.address)
+                    reply = await engine.commands.send(EngineCommand(schema_version=1, export_final=final))
+                    assert reply.ok, reply.error
+                    token_ids += choice.get("prompt_token_ids") or []
+                token_ids += choice.get("token_ids") or []
+        deadline = time.monotonic() + 20
+        while not finals:
+            assert time.monotonic() < deadline, "the final stage did not arrive"
+            await asyncio.sleep(0.05)
+    finally:
+        receiver.close()
+    staged = staging.take("export-me")
+    num_tokens = staged.num_tokens
+    assert num_tokens == finals[0] == len(token_ids) - 1  # the newest sampled token has no KV yet
+    blocks = math.ceil(num_tokens / BLOCK_SIZE)
+    raw = torch.frombuffer(staged.blocks(0, blocks), dtype=torch.uint8)
+    # Block-major on the wire: [blocks, layers, kv_heads, block_tokens, content].
+    buffer = raw.view(torch.float32).reshape(blocks, 2, 2, BLOCK_SIZE, 64)
 
     # The engine's K and V equal a reference forward pass over the same tokens.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         cache = model(torch.tensor([token_ids[:num_tokens]]), use_cache=True).past_key_values
-    blocks = buffer.shape[1]
     for layer in range(2):
         # CPU page of one head: K transposed [head_dim, block_tokens], then V [block_tokens, head_dim].
-        pages = buffer[layer].reshape(blocks, 2, 2, 32 * BLOCK_SIZE)
+        pages = buffer[:, layer].reshape(blocks, 2, 2, 32 * BLOCK_SIZE)
         keys = pages[:, :, 0].reshape(blocks, 2, 32, BLOCK_SIZE).permute(1, 0, 3, 2).reshape(2, -1, 32)
         values = pages[:, :, 1].reshape(blocks, 2, BLOCK_SIZE, 32).permute(1, 0, 2, 3).reshape(2, -1, 32)
         reference = cache.layers[layer]
@@ -242,11 +271,11 @@ async def test_exported_blocks_hold_the_requests_kv_and_round_trip(engine: Engin
         torch.testing.assert_close(values[:, :num_tokens], reference.values[0], rtol=1e-4, atol=1e-4)
 
     # Copy in (other block ids of a cache with the engine's layout) and out again: unchanged.
-    caches = {name: torch.zeros((64, 2, BLOCK_SIZE, 64)) for name in info["layout"]["layer_names"]}
+    caches = {name: torch.zeros((64, 2, BLOCK_SIZE, 64)) for name in layout["layer_names"]}
     copier = KVBlockCopier(caches, num_blocks=64)
     targets = list(range(63, 63 - blocks, -1))
-    copier.copy_in(targets, buffer)
-    assert torch.equal(copier.copy_out(targets), buffer)
-    # The engine freed the blocks once the export finished.
+    copier.copy_in_block_major(targets, buffer)
+    assert torch.equal(copier.copy_out_block_major(targets), buffer)
+    # The engine freed the blocks once the final stage was copied out.
     idle = await engine.snapshot(lambda s: not s.running, after=time.time())
     assert idle.free_blocks == idle.total_blocks

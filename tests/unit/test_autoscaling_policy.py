@@ -2,7 +2,7 @@
 
 import pytest
 
-from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.load import InstanceLoad, RequestLoad, aggregate_freeness
 from llumnix.policies.autoscaling import AutoscalingConfig, decide, drain_candidate
 
 CFG = AutoscalingConfig(scale_up_below=10, scale_down_above=60, min_instances=1, max_instances=4)
@@ -27,6 +27,31 @@ def test_scale_up_below_lower_bound() -> None:
     assert decide(loads, starting=1, config=CFG).kind == "none"  # one start-up at a time
     full = [inst(x, 90, 5) for x in "abcd"]
     assert decide(full, starting=0, config=CFG).kind == "none"  # at max_instances
+
+
+def test_starting_instances_count_with_their_capacity() -> None:
+    # 2 instances, 98 used of 100 each, 10 requests each: (200 - 196) / 20 = 0.2.
+    loads = [inst("a", 98, 10), inst("b", 98, 10)]
+    # One starting: (300 - 196) / 20 = 5.2, still < 10 -> start another.
+    assert decide(loads, starting=1, config=CFG).kind == "scale-up"
+    # Two starting: (400 - 196) / 20 = 10.2 -> enough is on its way.
+    assert decide(loads, starting=2, config=CFG).kind == "none"
+    assert aggregate_freeness(loads, added_blocks=200) == pytest.approx(10.2)
+
+
+def queued(iid: str, prompt_tokens: tuple[int, ...]) -> InstanceLoad:
+    """40 blocks used by 2 running requests, then a queue of the given prompts."""
+    running = tuple(RequestLoad(f"{iid}-r{i}", 320, blocks=20) for i in range(2))
+    waiting = tuple(RequestLoad(f"{iid}-w{i}", p) for i, p in enumerate(prompt_tokens))
+    return InstanceLoad(iid, 100, 60, 16, running=running, waiting=waiting)
+
+
+def test_the_whole_backlog_counts_not_just_each_head_of_line() -> None:
+    # Queue 320 + 160 + 160 tokens = 20 + 10 + 10 blocks. Whole backlog: (100 - 40 - 40) / (2 + 3) = 4.
+    # Counting only the head (20 blocks, batch 3) it would read (100 - 40 - 20) / 3 = 13.3: no scale-up.
+    loads = [queued("a", (320, 160, 160))]
+    assert aggregate_freeness(loads) == pytest.approx(4.0)
+    assert decide(loads, starting=0, config=CFG).kind == "scale-up"
 
 
 def test_between_bounds_nothing_happens() -> None:

@@ -102,6 +102,23 @@ def test_autoscaling_scales_up_then_drains_and_releases(audited: Counter[str], p
     assert 1 <= result.avg_instances <= 8
 
 
+def first_release_time(stabilization_s: float) -> float:
+    """Four instances, a trickle of short requests: the autoscaler (every 10 s) wants to shrink at once."""
+    scaling = AutoscalingConfig(min_instances=1, max_instances=4, interval_s=10.0)
+    config = SimConfig(autoscaling=scaling, scale_down_stabilization_s=stabilization_s)
+    trace = generate_trace("S-S", 60, rate=0.3, seed=5)
+    result = Cluster(trace, system("llumnix"), PROFILE, instances=4, config=config).run()
+    counts, times = result.instance_counts, result.instance_times
+    return next(t for t, before, after in zip(times[1:], counts, counts[1:], strict=False) if after < before)
+
+
+def test_scale_down_waits_for_the_stabilization_window() -> None:
+    # Drain wanted from the first tick (10 s); released at the tick after the drain (empty by then).
+    assert first_release_time(0.0) == pytest.approx(20.0)
+    # Wanted since 10 s, drained at 40 s (30 s later), released at 50 s.
+    assert first_release_time(30.0) == pytest.approx(50.0)
+
+
 def test_chunked_prefill_serves_every_request(audited: Counter[str]) -> None:
     trace = heavy_trace(200)
     result = Cluster(trace, system("llumnix"), PROFILE, 4, config=SimConfig(chunked_prefill=True)).run()

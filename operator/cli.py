@@ -1,0 +1,88 @@
+"""Run the LLMService operator (kopf) against the current kubeconfig context, or in cluster with the
+pod's service account:
+
+    llumnix operator --namespace default
+    llumnix operator --all-namespaces --peering llumnix     # several replicas: one acts at a time
+
+Needs the CRD installed (`helm install llumnix charts/llumnix`, or `kubectl apply -f
+charts/llumnix/crds/`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable; default: the kubeconfig's, or all with --all-namespaces)",
+    )
+    where.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object shared by the operator's replicas, so only the one with "
+        "the highest priority acts (default: standalone, no peering)",
+    )
+    parser.add_argument("--priority", type=int, default=0, help="this replica's peering priority")
+    parser.add_argument(
+        "--liveness",
+        metavar="URL",
+        default=None,
+        help="serve kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _current_namespace() -> str:
+    import kubernetes
+
+    try:
+        _, context = kubernetes.config.list_kube_config_contexts()
+    except (kubernetes.config.ConfigException, OSError):
+        return "default"
+    return (context or {}).get("context", {}).get("namespace", "default")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        kopf = importlib.import_module("kopf")
+    except ImportError:
+        print(
+            "llumnix operator: kopf and kubernetes are not installed (pip install 'llumnix-k8s[dev]')",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handlers = importlib.import_module("llumnix_operator.handlers")  # registers the handlers with kopf
+    kubernetes = importlib.import_module("kubernetes")
+    try:
+        handlers.api_client()
+    except (kubernetes.config.ConfigException, OSError) as exc:
+        print(
+            f"llumnix operator: no Kubernetes credentials (in-cluster service account or kubeconfig): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    namespaces = args.namespace or ([] if args.all_namespaces else [_current_namespace()])
+    try:
+        kopf.run(
+            clusterwide=args.all_namespaces,
+            namespaces=namespaces,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            priority=args.priority,
+            liveness_endpoint=args.liveness,
+        )
+    except kopf.LoginError as exc:
+        print(f"llumnix operator: cannot log in to the Kubernetes API: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,237 @@
+"""The engine pod of an LLMService: the engine container (vLLM with the llumnix KV connector, or the
+sim engine) and the llumlet sidecar, sharing the connector's snapshot socket through an emptyDir.
+
+Pods are created one at a time by the control loop (the operator decides which pod is drained and
+deleted), so this builds a complete pod, not a Deployment template. The template hash annotation is a
+digest of everything built here: a change to it means a rolling replacement."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import PurePosixPath
+from typing import Any
+
+from llumlet.engine_process import EngineLaunchConfig, build_command
+from llumnix.service_spec import ServiceSettings
+from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.naming import (
+    ENGINE,
+    ENGINE_PORT,
+    LLUMLET_GRPC_PORT,
+    LLUMLET_HTTP_PORT,
+    TEMPLATE_HASH_ANNOTATION,
+    engine_pod_prefix,
+    labels,
+    service_account_name,
+    template_hash,
+)
+
+SOCKET_DIR = "/run/llumnix"
+SNAPSHOT_ADDR = f"ipc://{SOCKET_DIR}/snapshots.sock"
+MODEL_MOUNT = "/model"
+INSTANCE_ID_ENV = "LLUMNIX_INSTANCE_ID"
+POD_IP_ENV = "POD_IP"
+KV_HOST_ENV = "LLUMNIX_KV_HOST"
+"""llumlet.kv_connector.KV_HOST_ENV (that module imports vLLM, which the operator's image lacks)."""
+POD_IP_REF = f"$({POD_IP_ENV})"
+"""Expanded by the kubelet in args and env values (the downward API sets POD_IP)."""
+POD_IP_VAR = {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def model_location(spec: dict) -> str:
+    """What the engine loads: inside the model volume when the spec names a PVC, else the path or hub id."""
+    model = spec["model"]
+    path = model.get("path")
+    if model["source"].get("pvc"):
+        return str(PurePosixPath(MODEL_MOUNT) / path) if path else MODEL_MOUNT
+    return path or model["name"]
+
+
+def engine_command(spec: dict) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of the engine container."""
+    engine, model_name = spec["engine"], spec["model"]["name"]
+    if engine["runtime"] == "sim":
+        argv = [
+            "python",
+            "-m",
+            "llumnix.sim_engine",
+            "--host",
+            POD_IP_REF,  # its KV receiver binds here too: peer engines send migrations to it
+            "--port",
+            str(ENGINE_PORT),
+            "--model",
+            model_name,
+            "--snapshot-addr",
+            SNAPSHOT_ADDR,
+            "--block-size",
+            str(engine["blockSize"]),
+            *engine["args"],
+        ]
+        return argv, {}
+    extra = list(engine["args"])
+    tp = engine["resources"]["tensorParallelSize"]
+    if tp > 1:
+        extra = ["--tensor-parallel-size", str(tp), *extra]
+    launch = EngineLaunchConfig(
+        model=model_location(spec),
+        port=ENGINE_PORT,
+        served_model_name=model_name,
+        device="cpu" if engine["runtime"] == "vllm-cpu" else "gpu",
+        block_size=engine["blockSize"],
+        snapshot_addr=SNAPSHOT_ADDR,
+        extra_args=tuple(extra),
+        python="python",
+    )
+    argv, env = build_command(launch)
+    # The connector's KV receiver (live migration) listens on the pod IP, where peer engines reach it.
+    return argv, {**env, KV_HOST_ENV: POD_IP_REF}
+
+
+def _resources(spec: dict) -> dict[str, Any]:
+    res = spec["engine"]["resources"]
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res["gpus"]:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(res["gpus"])
+    if res.get("memory"):
+        requests["memory"] = limits["memory"] = res["memory"]
+    if res.get("cpu"):
+        requests["cpu"] = res["cpu"]
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _drain_hook(config: BuildConfig) -> dict[str, Any]:
+    return {
+        "exec": {
+            "command": [
+                "llumnix",
+                "drain-instance",
+                "--address",
+                f"127.0.0.1:{LLUMLET_GRPC_PORT}",
+                "--timeout",
+                str(config.drain_timeout_s),
+            ]
+        }
+    }
+
+
+def _health_probe(period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "llumlet-http"},
+        "periodSeconds": period_s,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    volumes: list[dict] = [
+        {"name": "llumnix-run", "emptyDir": {}},
+        # vLLM's workers exchange tensors through /dev/shm; the container default (64 MiB) is too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts: list[dict] = [
+        {"name": "llumnix-run", "mountPath": SOCKET_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    source = spec["model"]["source"]
+    if source.get("pvc"):
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"], "readOnly": True}}
+        )
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        if source.get("subPath"):
+            mount["subPath"] = source["subPath"]
+        mounts.append(mount)
+    return volumes, mounts
+
+
+def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
+    """The pod every instance is created from, without the hash annotation."""
+    spec, name = settings.spec, settings.name
+    engine = spec["engine"]
+    argv, env = engine_command(spec)
+    volumes, mounts = _volumes(spec)
+    image = engine.get("image") or (config.image if engine["runtime"] == "sim" else config.vllm_image)
+    engine_container = {
+        "name": "engine",
+        "image": image,
+        "command": argv[:1],
+        "args": argv[1:],
+        # POD_IP first: later values refer to it.
+        "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items()))],
+        "ports": [{"name": "engine-http", "containerPort": ENGINE_PORT}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # The engine must outlive the llumlet's drain: migrations read its KV cache.
+        "lifecycle": {"preStop": _drain_hook(config)},
+    }
+    llumlet_container = {
+        "name": "llumlet",
+        "image": config.image,
+        "command": ["python"],
+        "args": [
+            "-m",
+            "llumlet",
+            "--host",
+            "0.0.0.0",  # the pod's own addresses (probes and peers use the pod IP)
+            "--engine-url",
+            f"http://{POD_IP_REF if engine['runtime'] == 'sim' else '127.0.0.1'}:{ENGINE_PORT}",
+            "--snapshot-addr",
+            SNAPSHOT_ADDR,
+            "--http-port",
+            str(LLUMLET_HTTP_PORT),
+            "--grpc-port",
+            str(LLUMLET_GRPC_PORT),
+            "--shutdown-grace",
+            "20",
+            "--high-priority-target-tokens",
+            str(spec["priorities"]["targetLoadTokens"]),
+            "--migration-select",
+            spec["migration"]["select"],
+            "--max-concurrent-migrations",
+            str(spec["migration"]["maxConcurrentPerInstance"]),
+        ],
+        "env": [
+            POD_IP_VAR,
+            {"name": INSTANCE_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "ports": [
+            {"name": "llumlet-http", "containerPort": LLUMLET_HTTP_PORT},
+            {"name": "llumlet-grpc", "containerPort": LLUMLET_GRPC_PORT},
+        ],
+        "volumeMounts": mounts[:1],
+        # /health is 503 until the engine answers: a generous start-up window for model loading,
+        # then readiness gates the headless Service (and so the router) and liveness restarts a hung pod.
+        "startupProbe": _health_probe(5, 180),
+        "readinessProbe": _health_probe(2, 2),
+        "livenessProbe": _health_probe(10, 6),
+        "lifecycle": {"preStop": _drain_hook(config)},
+    }
+    resources = engine["resources"]
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": service_account_name(name),
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": config.termination_grace_s,
+        "restartPolicy": "Always",
+        "containers": [engine_container, llumlet_container],
+        "volumes": volumes,
+    }
+    if resources.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(resources["nodeSelector"])
+    if resources.get("tolerations"):
+        pod_spec["tolerations"] = copy.deepcopy(resources["tolerations"])
+    return {"metadata": {"labels": labels(name, ENGINE)}, "spec": pod_spec}
+
+
+def engine_pod(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
+    """A new engine pod (the API server picks the name's suffix) carrying its template's hash."""
+    template = engine_pod_template(settings, config)
+    pod = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(template)}
+    pod["metadata"].update(
+        generateName=engine_pod_prefix(settings.name),
+        namespace=settings.namespace,
+        annotations={TEMPLATE_HASH_ANNOTATION: template_hash(template)},
+    )
+    return pod

@@ -1,0 +1,87 @@
+"""Create-or-patch for the objects an LLMService owns: create what is missing, patch what differs from
+the desired manifest, leave alone what already matches.
+
+Only the fields the desired manifest sets are compared and patched (a JSON merge patch of the desired
+manifest), so what the API server defaults and what other writers add (annotations, labels of their
+own, status) is never fought over. Calls are synchronous (the official client); the handlers run them
+in a thread."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class Outcome(enum.Enum):
+    CREATED = "created"
+    PATCHED = "patched"
+    UNCHANGED = "unchanged"
+
+
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    api: type
+    methods: str
+    """Suffix of the client's methods: read_<methods>, create_<methods>, patch_<methods>."""
+
+
+_KINDS: dict[tuple[str, str], _Kind] = {
+    ("v1", "Service"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service"),
+    ("v1", "ServiceAccount"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service_account"),
+    ("apps/v1", "Deployment"): _Kind(kubernetes.client.AppsV1Api, "namespaced_deployment"),
+    ("policy/v1", "PodDisruptionBudget"): _Kind(
+        kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"
+    ),
+    ("rbac.authorization.k8s.io/v1", "Role"): _Kind(
+        kubernetes.client.RbacAuthorizationV1Api, "namespaced_role"
+    ),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): _Kind(
+        kubernetes.client.RbacAuthorizationV1Api, "namespaced_role_binding"
+    ),
+}
+
+
+def covers(live: Any, desired: Any) -> bool:
+    """Whether `live` already holds every field `desired` sets. Objects compare key by key (extra
+    live keys are someone else's); lists compare item by item and must have the same length."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(covers(live.get(k), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(covers(a, b) for a, b in zip(live, desired, strict=True))
+        )
+    return live == desired
+
+
+class Ensurer:
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self.api_client = api_client
+
+    def _api(self, manifest: dict[str, Any]) -> tuple[Any, str]:
+        key = (manifest["apiVersion"], manifest["kind"])
+        if key not in _KINDS:
+            raise ValueError(f"the operator does not manage {key[1]} ({key[0]}) objects")
+        kind = _KINDS[key]
+        return kind.api(self.api_client), kind.methods
+
+    def ensure(self, manifest: dict[str, Any]) -> Outcome:
+        api, methods = self._api(manifest)
+        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        try:
+            live = getattr(api, f"read_{methods}")(name, namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            getattr(api, f"create_{methods}")(namespace, manifest)
+            return Outcome.CREATED
+        if covers(self.api_client.sanitize_for_serialization(live), manifest):
+            return Outcome.UNCHANGED
+        getattr(api, f"patch_{methods}")(name, namespace, manifest, _content_type=MERGE_PATCH)
+        return Outcome.PATCHED

@@ -1,0 +1,95 @@
+"""The kopf handlers (thin): creating, resuming or changing an LLMService ensures the objects it owns;
+a daemon per LLMService runs its control loop (`ServiceRunner`). Loaded by `llumnix operator`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import kopf
+import kubernetes
+
+from llumnix.control.status import ControlEvent
+from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
+from llumnix_operator.access import role, role_binding, service_account
+from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.disruption_budget import engine_disruption_budget
+from llumnix_operator.ensure import Ensurer, Outcome
+from llumnix_operator.llumlet_service import llumlets_service
+from llumnix_operator.naming import owner_reference
+from llumnix_operator.router import router_deployment, router_service
+from llumnix_operator.service_runner import ServiceRunner
+
+logger = logging.getLogger("llumnix.operator")
+
+
+@functools.cache
+def api_client() -> kubernetes.client.ApiClient:
+    """In a pod: its service account; elsewhere: the current kubeconfig context."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[str, Any]]:
+    """Everything an LLMService owns besides its engine pods (the control loop creates those)."""
+    return [
+        service_account(settings),
+        role(settings),
+        role_binding(settings),
+        llumlets_service(settings),
+        router_deployment(settings, config),
+        router_service(settings),
+        engine_disruption_budget(settings),
+    ]
+
+
+def ensure_owned(
+    settings: ServiceSettings, owner: dict[str, Any], config: BuildConfig
+) -> list[tuple[str, Outcome]]:
+    ensurer = Ensurer(api_client())
+    results = []
+    for manifest in owned_objects(settings, config):
+        manifest["metadata"]["ownerReferences"] = [owner_reference(owner)]
+        results.append((f"{manifest['kind']}/{manifest['metadata']['name']}", ensurer.ensure(manifest)))
+    return results
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.posting.level = logging.INFO
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="llumnix.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="llumnix.io")
+
+
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
+async def reconcile(
+    body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, logger: logging.Logger, **_: Any
+) -> None:
+    try:
+        settings = ServiceSettings(name, namespace, validate_spec(dict(spec)))
+    except SpecError as exc:
+        # The schema let it through; the daemon reports it in the conditions. Retrying cannot help.
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        return
+    results = await asyncio.to_thread(ensure_owned, settings, dict(body), BuildConfig.from_env())
+    changed = [f"{what} {outcome.value}" for what, outcome in results if outcome is not Outcome.UNCHANGED]
+    if changed:
+        logger.info("reconciled: " + ", ".join(changed))
+
+
+def _post(body: kopf.Body, event: ControlEvent) -> None:
+    message = f"{event.instance_id}: {event.message}" if event.instance_id else event.message
+    kopf.event(body, type=event.kind, reason=event.reason, message=message)
+
+
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=15.0)
+async def control(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    runner = ServiceRunner(body, api_client(), BuildConfig.from_env(), on_event=lambda e: _post(body, e))
+    await runner.run(lambda: bool(stopped))

@@ -1,0 +1,105 @@
+"""The router of an LLMService: a Deployment running `llumnix router` over the llumlets' headless
+Service, and the Service clients connect to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llumnix.service_spec import ServiceSettings
+from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.llumlet_service import llumlets_dns_name
+from llumnix_operator.naming import (
+    LLUMLET_GRPC_PORT,
+    ROUTER,
+    labels,
+    router_name,
+    selector,
+    service_account_name,
+)
+
+API_KEYS_DIR = "/etc/llumnix/api-keys"
+
+
+def router_args(settings: ServiceSettings) -> list[str]:
+    spec = settings.spec
+    dispatch, priorities = spec["dispatch"], spec["priorities"]
+    args = [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--model",
+        spec["model"]["name"],
+        "--instances-dns",
+        f"{llumlets_dns_name(settings)}:{LLUMLET_GRPC_PORT}",
+        "--port",
+        str(spec["router"]["port"]),
+        "--dispatch-policy",
+        dispatch["policy"],
+        "--busy-freeness",
+        str(dispatch["busyFreeness"]),
+        "--top-k",
+        str(dispatch["topK"]),
+        "--high-priority-target-tokens",
+        str(priorities["targetLoadTokens"]),
+        "--priority-header",
+        priorities["header"],
+    ]
+    if spec["router"].get("apiKeySecret"):
+        args += ["--api-keys-file", f"{API_KEYS_DIR}/keys"]
+    return args
+
+
+def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
+    spec, name = settings.spec, settings.name
+    port = spec["router"]["port"]
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": config.image,
+        "command": ["llumnix"],
+        "args": router_args(settings),
+        "ports": [{"name": "http", "containerPort": port}],
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "failureThreshold": 6},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": service_account_name(name),
+        "automountServiceAccountToken": False,
+        "containers": [container],
+    }
+    secret = spec["router"].get("apiKeySecret")
+    if secret:
+        container["volumeMounts"] = [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
+        pod_spec["volumes"] = [{"name": "api-keys", "secret": {"secretName": secret}}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": router_name(name),
+            "namespace": settings.namespace,
+            "labels": labels(name, ROUTER),
+        },
+        "spec": {
+            "replicas": spec["router"]["replicas"],
+            "selector": {"matchLabels": selector(name, ROUTER)},
+            "template": {"metadata": {"labels": labels(name, ROUTER)}, "spec": pod_spec},
+        },
+    }
+
+
+def router_service(settings: ServiceSettings) -> dict[str, Any]:
+    name, router = settings.name, settings.spec["router"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": router_name(name),
+            "namespace": settings.namespace,
+            "labels": labels(name, ROUTER),
+        },
+        "spec": {
+            "type": router["serviceType"],
+            "selector": selector(name, ROUTER),
+            "ports": [{"name": "http", "port": router["port"], "targetPort": "http"}],
+        },
+    }

@@ -1,0 +1,163 @@
+"""The control loop over real local processes (sim engines + llumlets) with the router in front, in
+real time: the llumnix dispatch policy against round-robin on 16 instances, autoscaling up and back
+down with every request completed, replacement of a killed instance, and the admin API's drain and
+migrate."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+from llumnix.bench import BenchConfig, run_bench
+from llumnix.control.status import ControlEvent
+from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.server import Router
+from llumnix.traces import generate_trace
+from llumnix.up import LocalService, router_config
+
+pytestmark = [pytest.mark.timeout(480)]
+
+MODEL = "sim"
+StartService = Callable[..., Awaitable[LocalService]]
+
+
+def manifest(name: str, instances: int, engine_args: list[str], **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "llumnix.io/v1alpha1", "kind": "LLMService", "metadata": {"name": name},
+            "spec": {"model": {"name": MODEL},
+                     "engine": {"runtime": "sim", "blockSize": 16, "args": engine_args},
+                     "instances": {"min": instances, "max": instances}, **spec}}
+
+
+@pytest_asyncio.fixture
+async def start_service(tmp_path: Path) -> AsyncIterator[StartService]:
+    """`await start_service(manifest)`: a LocalService (engines, loop, router, admin API) on free
+    ports, returned once every instance serves through the router; shut down after the test."""
+    services: list[LocalService] = []
+
+    async def start(document: dict[str, Any], events: list[ControlEvent] | None = None) -> LocalService:
+        path = tmp_path / f"{document['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(document), encoding="utf-8")
+        service = LocalService(str(path), tmp_path / document["metadata"]["name"], None, port=0,
+                               on_event=(events.append if events is not None else lambda _: None))
+        services.append(service)
+        await service.start()
+        assert await asyncio.wait_for(service.wait_serving(asyncio.Event()), 240)
+        return service
+
+    yield start
+    for service in services:
+        await service.shutdown()
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+# 64 blocks of 16 tokens: a few long requests fill an instance, so placement matters.
+SMALL_ENGINE = ["--num-blocks", "64", "--max-model-len", "1000", "--time-scale", "2"]
+
+
+async def p99_ttft(router: Router, trace: list) -> tuple[float, int]:
+    result = await run_bench(BenchConfig(url=router.url, model=MODEL, show_progress=False), trace)
+    summary = result.summary()
+    return float(summary["prefill_p99"]), int(summary["errors"])
+
+
+async def test_llumnix_beats_round_robin_on_p99_ttft_with_16_instances(start_service: StartService) -> None:
+    service = await start_service(manifest("sixteen", 16, SMALL_ENGINE, migration={"enabled": False}))
+    # Bursty (CV 3) arrivals of a power-law length mix: round-robin lands requests behind long ones.
+    trace = generate_trace("S-S", num_requests=240, rate=16.0, cv=3.0, seed=1, max_total_tokens=600)
+    llumnix, llumnix_errors = await p99_ttft(service.router, trace)
+    config = router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy="round-robin")
+    round_robin_router = Router(config, ListInstanceSource(service.source.addresses))
+    await round_robin_router.start()
+    try:
+        await wait_for(lambda: len(round_robin_router.instances.dispatchable()) == 16, 30, "load streams")
+        round_robin, round_robin_errors = await p99_ttft(round_robin_router, trace)
+    finally:
+        await round_robin_router.shutdown()
+    assert llumnix_errors == round_robin_errors == 0
+    assert llumnix < round_robin, (llumnix, round_robin)
+
+
+async def test_autoscaling_goes_up_under_load_and_back_down_with_every_request_completed(
+        start_service: StartService) -> None:
+    events: list[ControlEvent] = []
+    document = manifest("autoscale", 2, SMALL_ENGINE,
+                        autoscaling={"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 60,
+                                     "intervalSeconds": 0.5, "scaleDownStabilizationSeconds": 2},
+                        migration={"enabled": True, "intervalMs": 100})
+    document["spec"]["instances"] = {"min": 2, "max": 4}
+    service = await start_service(document, events)
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, service.loop.status().ready)
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        trace = generate_trace("S-S", num_requests=120, rate=10.0, cv=1.0, seed=2, max_total_tokens=600)
+        result = await run_bench(BenchConfig(url=service.router.url, model=MODEL, show_progress=False), trace)
+        await wait_for(lambda: service.loop.status().ready == 2 and service.loop.releases >= 1, 90,
+                       "scale back down to 2")
+    finally:
+        watcher.cancel()
+    summary = result.summary()
+    assert summary["errors"] == 0 and summary["finished"] == 120, result.errors_by_kind
+    assert peak > 2
+    reasons = [e.reason for e in events]
+    assert "ScaledUp" in reasons and "Draining" in reasons and "Released" in reasons
+
+
+async def test_a_killed_instance_is_replaced(start_service: StartService) -> None:
+    events: list[ControlEvent] = []
+    service = await start_service(manifest("replace", 2, []), events)
+    victim = sorted(service.backend._instances)[0]
+    service.backend.pair(victim).kill_engine()
+    await wait_for(lambda: service.loop.replacements == 1 and service.serving()
+                   and victim not in service.loop.instances, 90, "a serving replacement")
+    assert [e.reason for e in events if e.instance_id == victim] == ["ScaledUp", "InstanceFailed"]
+    assert "Replaced" in [e.reason for e in events]
+    async with aiohttp.ClientSession() as session, session.post(
+            service.router.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    ) as response:
+        assert response.status == 200
+
+
+async def test_admin_api_drains_an_instance_and_migrates_a_request(start_service: StartService) -> None:
+    service = await start_service(manifest("admin", 2, ["--time-scale", "0.5"], migration={"enabled": False}))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "prompt": "x" * 64, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        stream = await session.post(service.router.url + "/v1/completions", json=body)
+        await stream.content.readline()
+        await wait_for(lambda: sum(i.running for i in service.loop.status().instances) == 1, 20,
+                       "the request running")
+        source = next(i.instance_id for i in service.loop.status().instances if i.running)
+        destination = next(i.instance_id for i in service.loop.status().instances if not i.running)
+        async with session.post(f"{service.admin_url}/migrate",
+                                json={"source": source, "destination": destination}) as response:
+            migrated = await response.json()
+        assert response.status == 200, migrated
+        assert migrated["outcome"] == "committed", migrated
+        text = b"".join([line async for line in stream.content])
+        assert b"[DONE]" in text
+        stream.release()
+        async with session.post(f"{service.admin_url}/instances/{destination}/drain") as response:
+            assert response.status == 200
+        await wait_for(lambda: destination not in service.loop.instances and service.serving(), 60,
+                       "the drained instance released and replaced")
+    assert service.loop.releases == 1

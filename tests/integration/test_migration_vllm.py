@@ -1,0 +1,238 @@
+"""Live migration through llumlets between two real CPU vLLM engines with the tiny model: greedy
+requests migrated at random points (some twice, A -> B -> A) under background load produce exactly
+their unmigrated tokens; loading zeros instead of the staged KV does not (so the KV is what makes
+them exact); a destination that cannot run the resumed request makes the source resume it by
+recompute; a destination engine that dies mid-stage aborts the migration and the source continues.
+
+Engine B runs a shorter context than A (the handshake does not compare context lengths): long
+requests moved to B fail at commit, which is how the recompute path is reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from llumlet.llumlet_process import LlumletProcess
+from llumlet.pair import EnginePair, PairConfig
+from llumnix.v1 import llumlet_pb2 as pb
+from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
+from llumnix.v1 import migration_pb2 as mpb
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not importable (install the cpu extra: bash scripts/setup.sh)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(1500),  # the first test also waits for two engines to start
+]
+
+MODEL = "tiny"
+B_MAX_MODEL_LEN = 256
+STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
+LLUMLET_ARGS = ("--max-concurrent-migrations", "4")
+
+
+@dataclasses.dataclass
+class Node:
+    pair: EnginePair
+    channel: grpc.aio.Channel
+    api: llumlet_pb2_grpc.LlumletStub
+    migration: migration_pb2_grpc.LlumletMigrationStub
+
+    @classmethod
+    def of(cls, pair: EnginePair) -> Node:
+        channel = grpc.aio.insecure_channel(pair.grpc_address)
+        return cls(pair, channel, llumlet_pb2_grpc.LlumletStub(channel),
+                   migration_pb2_grpc.LlumletMigrationStub(channel))
+
+    async def restart_llumlet(self, *args: str) -> None:
+        """The same engine behind a llumlet started with other flags."""
+        await self.pair.llumlet.stop()
+        self.pair.llumlet = LlumletProcess(dataclasses.replace(self.pair.llumlet.config,
+                                                               extra_args=(*LLUMLET_ARGS, *args)))
+        self.pair.llumlet.start()
+        await self.pair.llumlet.wait_ready(60)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nodes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> AsyncIterator[tuple[Node, Node]]:
+    work = tmp_path_factory.mktemp("migration-vllm")
+    pairs = [EnginePair(PairConfig(instance_id="a", work_dir=work / "a", model_dir=tiny_model_dir,
+                                   max_model_len=1024, shutdown_grace_s=5.0, llumlet_args=LLUMLET_ARGS,
+                                   engine_start_timeout_s=900.0)),
+             EnginePair(PairConfig(instance_id="b", work_dir=work / "b", model_dir=tiny_model_dir,
+                                   max_model_len=B_MAX_MODEL_LEN, shutdown_grace_s=5.0,
+                                   llumlet_args=LLUMLET_ARGS, engine_start_timeout_s=900.0))]
+    try:
+        await asyncio.gather(*(p.start() for p in pairs))
+        a, b = Node.of(pairs[0]), Node.of(pairs[1])
+        yield a, b
+        await a.channel.close()
+        await b.channel.close()
+    finally:
+        await asyncio.gather(*(p.stop() for p in pairs), return_exceptions=True)
+
+
+def _body(seed: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    prompt = [(seed * 131 + i * 17) % 400 + 10 for i in range(prompt_len)]
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+@dataclasses.dataclass
+class Run:
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    moved: pb.Moved | None = None
+
+    async def read(self, call: Any) -> None:
+        self.moved = None
+        async for message in call:
+            if message.HasField("moved"):
+                self.moved = message.moved
+            else:
+                self.tokens += message.chunk.token_ids
+
+
+async def _generate(node: Node, request_id: str, body: dict[str, Any]) -> list[int]:
+    run = Run()
+    await run.read(node.api.Generate(pb.GenerateRequest(
+        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body))))
+    return run.tokens
+
+
+async def _migrate(source: Node, destination: Node, request_id: str,
+                   timeout_s: float = 30.0) -> mpb.MigrateOutResponse:
+    """MigrateOut, retried while either end is busy with another migration."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = await source.migration.MigrateOut(mpb.MigrateOutRequest(
+            destination_instance_id=destination.pair.config.instance_id,
+            destination_address=destination.pair.grpc_address, request_id=request_id), timeout=60)
+        busy = result.outcome == mpb.MIGRATION_OUTCOME_BUSY or (
+            result.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "migration(s)" in result.reason)
+        if not busy or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(0.02)
+
+
+async def _wait_idle(node: Node, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await node.api.GetLoad(pb.GetLoadRequest())
+        if not load.running and not load.waiting and not load.reserved_blocks and not load.migrating_in \
+                and not load.migrating_out:
+            return
+        assert time.monotonic() < deadline, f"not idle: {load}"
+        await asyncio.sleep(0.1)
+
+
+async def _migrated_run(nodes: tuple[Node, Node], request_id: str, body: dict[str, Any], hops: int,
+                        after: list[int]) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
+    """Runs the request on nodes[0] and moves it `hops` times (after `after[i]` tokens each)."""
+    here, there = nodes
+    run = Run()
+    reader = asyncio.create_task(run.read(here.api.Generate(pb.GenerateRequest(
+        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
+    results: list[mpb.MigrateOutResponse] = []
+    for hop in range(hops):
+        while len(run.tokens) < after[hop] and not reader.done():
+            await asyncio.sleep(0.005)
+        if reader.done():
+            break
+        result = await _migrate(here, there, request_id)
+        results.append(result)
+        if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
+            break
+        await reader
+        assert run.moved is not None
+        here, there = there, here
+        reader = asyncio.create_task(run.read(here.api.Generate(
+            pb.GenerateRequest(request_id=request_id, attach=True))))
+    await reader
+    assert run.moved is None
+    return run.tokens, results
+
+
+async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    rng = random.Random(4)
+    count = 24
+    bodies = [_body(i, rng.randint(16, 48), rng.randint(120, 200)) for i in range(count)]
+    expected = await asyncio.gather(*(_generate(a, f"ref-{i}", body) for i, body in enumerate(bodies)))
+    background = [asyncio.create_task(_generate(node, f"bg-{node.pair.config.instance_id}-{i}",
+                                                _body(100 + i, 32, 200)))
+                  for i in range(3) for node in (a, b)]
+    runs = []
+    for i, body in enumerate(bodies):
+        order = (a, b) if i % 2 == 0 else (b, a)
+        hops = 2 if i % 3 == 0 else 1
+        runs.append(_migrated_run(order, f"m-{i}", body, hops, sorted(rng.sample(range(2, 60), hops))))
+    outcomes = await asyncio.gather(*runs)
+    await asyncio.gather(*background)
+    committed = [r for _, results in outcomes for r in results
+                 if r.outcome == mpb.MIGRATION_OUTCOME_COMMITTED]
+    twice = sum(1 for _, results in outcomes
+                if sum(r.outcome == mpb.MIGRATION_OUTCOME_COMMITTED for r in results) == 2)
+    assert len(committed) >= 20, [r for _, results in outcomes for r in results]
+    assert twice >= 3
+    assert all(r.migrated_tokens > 0 and r.bytes > 0 for r in committed)
+    for (tokens, results), want in zip(outcomes, expected, strict=True):
+        assert tokens == want, results
+    await _wait_idle(a)
+    await _wait_idle(b)
+
+
+async def test_zero_kv_control_diverges(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    await a.restart_llumlet("--migration-test-zero-kv")
+    body = _body(7, 40, 120)
+    expected = await _generate(a, "zref", body)
+    tokens, results = await _migrated_run((a, b), "zkv", body, 1, [20])
+    assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_COMMITTED]
+    assert len(tokens) == len(expected) and tokens[:20] == expected[:20]
+    assert tokens != expected
+    await a.restart_llumlet()
+
+
+async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
+        nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    body = _body(8, 200, 200)  # past B's context once moved
+    expected = await _generate(a, "rref", body)
+    tokens, results = await _migrated_run((a, b), "resume", body, 1, [80])
+    assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
+    assert tokens == expected
+    await _wait_idle(a)
+    await _wait_idle(b)
+
+
+async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    await a.restart_llumlet(*STAGING_FOREVER)
+    body = _body(9, 40, 200)
+    expected = await _generate(a, "kref", body)
+    run = Run()
+    reader = asyncio.create_task(run.read(a.api.Generate(pb.GenerateRequest(
+        request_id="kill", endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
+    while len(run.tokens) < 10:
+        await asyncio.sleep(0.005)
+    migration = asyncio.create_task(_migrate(a, b, "kill"))
+    await asyncio.sleep(0.3)
+    b.pair.kill_engine()
+    result = await migration
+    assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result
+    await reader
+    assert run.moved is None and run.tokens == expected
+    await _wait_idle(a)

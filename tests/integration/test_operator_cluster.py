@@ -1,0 +1,174 @@
+"""Cluster in a test: the operator (KopfRunner) against the emulated API server, with a fake kubelet
+that runs each engine pod the operator creates as real local processes (sim engine + llumlet, from the
+pod's own command, args and env) and the router from its Deployment. Requests flow through the router
+while the service scales up, loses a pod, and scales down by drain-then-delete (live migration
+between pods); none may fail."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import kubernetes
+import pytest
+from kopf.testing import KopfRunner
+from kube_emulator import EmulatedCluster
+from kubelet_emulator import Kubelet
+
+from llumnix_operator import handlers
+
+pytestmark = pytest.mark.slow
+G, V, P, NS = "llumnix.io", "v1alpha1", "llmservices", "default"
+MERGE = "application/merge-patch+json"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EmulatedCluster]:
+    with EmulatedCluster(tmp_path) as emulated:
+        monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
+        monkeypatch.setattr(
+            kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(emulated.kubeconfig)
+        )
+        handlers.api_client.cache_clear()
+        yield emulated
+        handlers.api_client.cache_clear()
+
+
+def wait_for(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: last {last!r}")
+
+
+class Load:
+    """Clients sending completions through the router, each waiting for its answer before the next."""
+
+    def __init__(self, url: str, clients: int = 6) -> None:
+        self.url = url
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+
+    def _client(self) -> None:
+        body = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": 128}).encode()
+        while not self._stop.is_set():
+            request = urllib.request.Request(
+                f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answer = json.loads(response.read())
+                assert answer["choices"][0]["text"]
+                self.ok += 1
+            except Exception as exc:
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+
+
+def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) -> None:
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url))
+    custom = kubernetes.client.CustomObjectsApi(api)
+
+    def status() -> dict:
+        return cluster.emulator.live("llmservices").get("sim", {}).get("status") or {}
+
+    def ready() -> int:
+        return (status().get("instances") or {}).get("ready", 0)
+
+    def engine_pods() -> set[str]:
+        return {n for n in cluster.emulator.live("pods") if n.startswith("sim-engine-")}
+
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 5
+    with (
+        Kubelet(cluster.url) as kubelet,
+        KopfRunner(
+            ["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"],
+            settings=settings,
+            timeout=120,
+        ) as runner,
+    ):
+        custom.create_namespaced_custom_object(
+            G,
+            V,
+            NS,
+            P,
+            {
+                "apiVersion": f"{G}/{V}",
+                "kind": "LLMService",
+                "metadata": {"name": "sim"},
+                "spec": {
+                    "model": {"name": "sim"},
+                    "replicas": 2,
+                    "instances": {"min": 1, "max": 3},
+                    "engine": {"runtime": "sim", "resources": {"gpus": 0}},
+                    "migration": {"intervalMs": 200},
+                    "autoscaling": {"startupGraceSeconds": 120},
+                },
+            },
+        )
+        wait_for(lambda: ready() == 2, 120, "two ready instances")
+        wait_for(lambda: "sim-router" in kubelet.routers, 30, "the router")
+        url = kubelet.router_url("sim-router", 8000)
+        wait_for(lambda: _healthy(url), 60, "the router's /health")
+
+        with Load(url) as load:
+            wait_for(lambda: load.ok >= 5, 60, "requests through the router")
+
+            custom.patch_namespaced_custom_object_scale(
+                G, V, NS, P, "sim", {"spec": {"replicas": 3}}, _content_type=MERGE
+            )
+            wait_for(lambda: ready() == 3, 120, "scale-up to three")
+
+            victim = sorted(engine_pods())[0]
+            kubelet.kill(victim)
+            wait_for(lambda: victim not in engine_pods(), 60, "the killed pod removed")
+            wait_for(lambda: ready() == 3 and len(engine_pods()) == 3, 120, "the killed pod replaced")
+
+            done_before = load.ok
+            custom.patch_namespaced_custom_object_scale(
+                G, V, NS, P, "sim", {"spec": {"replicas": 1}}, _content_type=MERGE
+            )
+            wait_for(lambda: len(engine_pods()) == 1 and ready() == 1, 180, "scale-down to one")
+            wait_for(lambda: load.ok >= done_before + 5, 60, "requests after the scale-down")
+
+        reasons = [e.get("reason") for e in cluster.emulator.live("events").values()]
+        assert {"ScaledUp", "InstanceFailed", "Replaced", "Draining", "Released"} <= set(reasons), reasons
+        assert kubelet.errors == []
+    assert runner.exception is None, runner.output
+    # Requests on the killed pod are resumed elsewhere by the router; drained pods migrate theirs out.
+    assert load.failures == [], load.failures[:5]
+    # Six clients keep every instance busy, so the two drained ones had requests to migrate out.
+    migrations = status()["migrations"]
+    assert migrations["completed"] >= 1, migrations
+    print(f"\n[cluster] {load.ok} requests ok, migrations {migrations}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,106 @@
+"""The admin API over a control loop (fake backend and llumlets), the `llumnix admin` CLI against it,
+and the example manifests in deploy/examples."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from control_fakes import Harness, request, settings
+
+from llumnix import admin_cli
+from llumnix.control.admin_api import admin_app
+from llumnix.service_spec import load_service_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+
+
+@pytest.fixture
+async def admin() -> tuple[Harness, TestClient]:
+    h = Harness(settings())
+    await h.bring_up()
+    h.load("i0", request("a", 10))
+    client = TestClient(TestServer(admin_app(h.loop)))
+    await client.start_server()
+    yield h, client
+    await client.close()
+
+
+async def test_status_lists_instances_with_their_loads(admin: tuple[Harness, TestClient]) -> None:
+    _, client = admin
+    response = await client.get("/instances")
+    assert response.status == 200
+    body = await response.json()
+    assert [i["instance_id"] for i in body["instances"]] == ["i0", "i1"]
+    assert body["instances"][0]["running"] == 1 and body["ready"] == 2 and body["desired"] == 2
+    assert body["instances"][0]["freeness"] == pytest.approx(90.0)
+
+
+async def test_drain_then_undrain_through_the_api(admin: tuple[Harness, TestClient]) -> None:
+    h, client = admin
+    response = await client.post("/instances/i0/drain")
+    assert response.status == 200 and (await response.json())["draining"] is True
+    body = await (await client.get("/instances")).json()
+    assert body["instances"][0]["draining"] is True and body["instances"][0]["freeness"] is None
+    assert (await client.post("/instances/i0/undrain")).status == 200
+    assert h.llumlets["i0"].draining_calls == [True, False]
+    missing = await client.post("/instances/zz/drain")
+    assert missing.status == 404 and "zz" in (await missing.json())["error"]
+
+
+async def test_migrate_through_the_api(admin: tuple[Harness, TestClient]) -> None:
+    h, client = admin
+    response = await client.post("/migrate", json={"source": "i0", "destination": "i1", "request_id": "a"})
+    assert response.status == 200
+    assert (await response.json())["outcome"] == "committed"
+    assert h.migrations[0][1].request_id == "a"
+    assert (await client.post("/migrate", json={"source": "i0"})).status == 400
+    assert (await client.post("/migrate", data=b"{")).status == 400
+    assert (await client.post("/migrate", json={"source": "i0", "destination": "x"})).status == 404
+    h.llumlets["i0"].migrate_result = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    failed = await client.post("/migrate", json={"source": "i0", "destination": "i1"})
+    assert failed.status == 502 and "UNAVAILABLE" in (await failed.json())["error"]
+
+
+def admin_args(url: str, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    admin_cli.add_arguments(parser)
+    return parser.parse_args(["--url", url, *argv])
+
+
+async def test_the_cli_prints_a_table_and_clear_errors(admin: tuple[Harness, TestClient],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    _, client = admin
+    url = str(client.make_url("")).rstrip("/")
+    assert await asyncio.to_thread(admin_cli.run, admin_args(url, "status")) == 0
+    out = capsys.readouterr().out
+    assert "i0" in out and "90.0" in out and "2 ready / 2 desired" in out
+    assert await asyncio.to_thread(admin_cli.run, admin_args(url, "drain", "nope")) == 1
+    assert "nope" in capsys.readouterr().err
+    code = await asyncio.to_thread(admin_cli.run, admin_args(url, "migrate", "--source", "i0",
+                                                             "--destination", "i1"))
+    assert code == 0 and "migration committed" in capsys.readouterr().out
+
+
+def test_the_cli_says_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    assert admin_cli.run(admin_args("http://127.0.0.1:9", "status")) == 1
+    assert "cannot reach the admin API" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_manifests_validate(path: Path) -> None:
+    service = load_service_file(str(path))
+    assert service.desired_instances >= 1
+
+
+def test_the_examples_cover_local_cpu_sim_autoscaling_and_gpu() -> None:
+    runtimes = {p.name: load_service_file(str(p)).spec for p in EXAMPLES.glob("*.yaml")}
+    assert runtimes["local-cpu.yaml"]["engine"]["runtime"] == "vllm-cpu"
+    assert runtimes["local-sim.yaml"]["instances"]["min"] == 16
+    assert runtimes["autoscale-sim.yaml"]["autoscaling"]["enabled"]
+    assert runtimes["gpu-cluster.yaml"]["engine"]["resources"]["gpus"] == 1

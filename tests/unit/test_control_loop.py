@@ -1,0 +1,242 @@
+"""The control loop's decisions over an in-memory backend and fake llumlet connections whose loads
+the tests set: instance count, replacement, drains (never stopping an instance that still runs
+requests), migration pairing, autoscaling and adoption after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from control_fakes import TOTAL_BLOCKS, Harness, request, settings
+
+from llumnix.control.backend import InstancePhase
+from llumnix.control.loop import EMPTY_BEFORE_RELEASE_S, UnknownInstance
+from llumnix.v1 import migration_pb2 as mpb
+
+
+async def test_starts_the_desired_count_then_holds_it() -> None:
+    h = Harness(settings())
+    assert await h.bring_up() == ["i0", "i1"]
+    await h.loop.reconcile()
+    assert h.backend.started == ["i0", "i1"] and h.backend.stopped == []
+    assert h.addresses[-1] == {"addr-i0", "addr-i1"}
+    status = h.loop.status()
+    assert (status.ready, status.desired, status.scale_ups) == (2, 2, 2)
+    assert status.aggregate_freeness == TOTAL_BLOCKS * 2
+
+
+async def test_more_replicas_start_instances_fewer_drain_the_freest_and_release_it_when_empty() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.loop.update_settings(settings(replicas=3))
+    assert await h.bring_up() == ["i0", "i1", "i2"]
+    h.load("i0", request("a", 30))
+    h.load("i1", request("b", 10))
+    h.load("i2", request("c", 50))
+    h.loop.update_settings(settings(replicas=2))
+    await h.loop.reconcile()
+    assert set(h.loop.draining) == {"i1"}  # the freest
+    assert h.llumlets["i1"].draining_calls == [True]
+    await h.loop.reconcile()
+    h.clock.now += 60
+    await h.loop.reconcile()
+    assert h.backend.stopped == []  # still runs a request
+    h.load("i1", draining=True)
+    await h.loop.reconcile()
+    assert h.backend.stopped == []  # empty, but not yet for long enough
+    h.clock.now += EMPTY_BEFORE_RELEASE_S
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i1"]
+    assert h.loop.status().releases == 1 and "Released" in h.reasons()
+    await h.loop.reconcile()
+    assert len(h.backend.started) == 3  # nothing restarted
+
+
+async def test_a_failed_instance_is_stopped_and_replaced() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.backend.set_phase("i0", InstancePhase.FAILED, "engine exited (code -9)")
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i0"]
+    assert h.backend.started == ["i0", "i1", "i2"]
+    assert h.reasons()[-2:] == ["InstanceFailed", "Replaced"]
+    status = h.loop.status()
+    assert (status.replacements, status.scale_ups) == (1, 2)
+    assert "engine exited" in h.events[-2].message
+
+
+async def test_repeated_failures_back_off_the_successors() -> None:
+    h = Harness(settings(replicas=1))
+    await h.bring_up()
+    h.backend.set_phase("i0", InstancePhase.FAILED)
+    await h.loop.reconcile()
+    assert h.backend.started == ["i0", "i1"]  # the first successor starts at once
+    h.backend.set_phase("i1", InstancePhase.FAILED)
+    await h.loop.reconcile()
+    assert h.backend.started == ["i0", "i1"]  # the second waits 1 s
+    h.clock.now += 1
+    await h.loop.reconcile()
+    assert h.backend.started == ["i0", "i1", "i2"]
+    h.backend.ready("i2")
+    h.load("i2")
+    await h.loop.reconcile()
+    h.backend.set_phase("i2", InstancePhase.FAILED)
+    await h.loop.reconcile()
+    assert h.backend.started[-1] == "i3"  # serving again reset the backoff
+
+
+async def test_an_instance_not_ready_within_the_grace_period_is_replaced() -> None:
+    h = Harness(settings())
+    await h.loop.reconcile()
+    h.backend.ready("i0")
+    h.load("i0")
+    h.clock.now += 31
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i1"] and h.backend.started == ["i0", "i1", "i2"]
+
+
+async def test_an_admin_drain_waits_for_the_requests_then_releases_and_replaces() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.load("i0", request("a", 20))
+    with pytest.raises(UnknownInstance):
+        await h.loop.drain("nope")
+    await h.loop.drain("i0")
+    assert h.loop.status().instances[0].draining
+    await h.loop.reconcile()
+    assert h.backend.started[-1] == "i2"  # a surge replacement keeps two serving
+    h.backend.ready("i2")
+    h.load("i2")
+    for _ in range(3):
+        h.clock.now += 10
+        await h.loop.reconcile()
+    assert "i0" not in h.backend.stopped
+    h.load("i0", draining=True)
+    await h.loop.reconcile()
+    h.clock.now += EMPTY_BEFORE_RELEASE_S
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i0"]
+
+
+async def test_a_drain_that_outlives_the_timeout_stops_the_instance_and_says_so() -> None:
+    h = Harness(settings())
+    h.loop.drain_timeout_s = 100
+    await h.bring_up()
+    h.load("i0", request("a", 20))
+    await h.loop.drain("i0")
+    h.clock.now += 101
+    await h.loop.reconcile()
+    assert "i0" in h.backend.stopped
+    timeout = next(e for e in h.events if e.reason == "DrainTimeout")
+    assert timeout.kind == "Warning" and "1 requests" in timeout.message
+
+
+async def test_undrain_cancels_a_drain() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.load("i0", request("a", 20))
+    await h.loop.drain("i0")
+    await h.loop.undrain("i0")
+    assert h.llumlets["i0"].draining_calls == [True, False]
+    assert not h.loop.draining
+
+
+async def test_migration_pairs_an_overloaded_source_with_the_freest_one_in_flight_per_source() -> None:
+    h = Harness(settings(migration={"freenessThreshold": 5}))
+    await h.bring_up()
+    h.load("i0", *(request(f"r{k}", 24, arrival=k) for k in range(4)))  # 4 free blocks over 4 requests
+    h.load("i1")
+    h.llumlets["i0"].hold = asyncio.Event()
+    h.loop.migrate_pass()
+    await asyncio.sleep(0)
+    h.loop.migrate_pass()
+    await asyncio.sleep(0)
+    assert len(h.migrations) == 1
+    source, sent = h.migrations[0]
+    assert (source, sent.destination_instance_id, sent.destination_address) == ("i0", "i1", "addr-i1")
+    assert sent.select == mpb.MIGRATION_SELECT_LAST_COME and sent.request_id == ""
+    h.llumlets["i0"].hold.set()
+    await asyncio.sleep(0.01)
+    assert h.loop.status().migrations == {"committed": 1}
+    h.loop.migrate_pass()
+    await asyncio.sleep(0.01)
+    assert len(h.migrations) == 2
+
+
+async def test_a_draining_instance_is_a_migration_source() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.load("i0", request("a", 5))
+    await h.loop.drain("i0")
+    h.loop.migrate_pass()
+    await asyncio.sleep(0.01)
+    assert [(s, r.destination_instance_id) for s, r in h.migrations] == [("i0", "i1")]
+
+
+async def test_migration_errors_are_counted_and_the_loop_goes_on() -> None:
+    h = Harness(settings(migration={"freenessThreshold": 5}))
+    await h.bring_up()
+    h.load("i0", *(request(f"r{k}", 24) for k in range(4)))
+    error = grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 "not here")
+    h.llumlets["i0"].migrate_result = error
+    for _ in range(2):
+        h.loop.migrate_pass()
+        await asyncio.sleep(0.01)
+    assert h.loop.status().migrations == {"unsupported": 2}
+
+
+async def test_admin_migrate_names_the_request_and_checks_instances() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    result = await h.loop.migrate("req-7", "i0", "i1")
+    assert result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED
+    assert h.migrations[0][1].request_id == "req-7"
+    with pytest.raises(UnknownInstance):
+        await h.loop.migrate(None, "i0", "i9")
+    with pytest.raises(ValueError):
+        await h.loop.migrate(None, "i0", "i0")
+
+
+async def test_autoscaling_adds_an_instance_when_the_cluster_is_short_and_drains_one_when_idle() -> None:
+    service = settings(instances={"min": 2, "max": 4}, replicas=2,
+                       autoscaling={"enabled": True, "scaleDownStabilizationSeconds": 5.0})
+    h = Harness(service)
+    await h.bring_up()
+    h.load("i0", *(request(f"a{k}", 24) for k in range(4)))
+    h.load("i1", *(request(f"b{k}", 24) for k in range(4)))
+    await h.loop.autoscale()
+    assert h.backend.started == ["i0", "i1", "i2"]
+    assert h.loop.status().last_decision.kind == "scale-up"
+    await h.bring_up()
+    h.load("i0")
+    h.load("i1")
+    h.load("i2", request("c", 2))
+    await h.loop.autoscale()
+    assert not h.loop.draining  # wanted, but not for the stabilization window yet
+    h.clock.now += 5
+    await h.loop.autoscale()
+    assert list(h.loop.draining) == ["i1"] and h.loop.desired == 2  # idle (i0 and i1) and last by id
+    h.clock.now += EMPTY_BEFORE_RELEASE_S
+    await h.loop.reconcile()
+    h.clock.now += EMPTY_BEFORE_RELEASE_S
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i1"]
+    await h.loop.autoscale()
+    assert h.backend.stopped == ["i1"]  # at min_instances
+
+
+async def test_a_restarted_loop_adopts_what_exists_and_changes_nothing() -> None:
+    first = Harness(settings(replicas=3))
+    await first.bring_up()
+    first.load("i0", request("a", 10))
+    await first.loop.drain("i0")
+    await first.loop.reconcile()
+    started = list(first.backend.started)
+    second = Harness(settings(replicas=3), backend=first.backend, loads=first.loads)
+    await second.loop.reconcile()
+    await second.loop.reconcile()
+    assert first.backend.started == started and first.backend.stopped == []
+    assert set(second.loop.draining) == {"i0"}
+    assert second.events == []

@@ -1,0 +1,103 @@
+"""The connector's worker-side migration machinery without vLLM: stages copied out of one paged cache
+are sent by the sender thread to a destination's staging service and written into another cache."""
+
+import time
+
+import torch
+
+from llumlet.kv_blocks import KVBlockCopier
+from llumlet.kv_migration_plan import Destination, ExportItem
+from llumlet.kv_migration_worker import StageSender, StagingService
+from llumnix.v1.kv_transfer_pb2 import (
+    MIGRATION_EVENT_KIND_STAGE_FAILED,
+    MIGRATION_EVENT_KIND_STAGE_RECEIVED,
+    MIGRATION_EVENT_KIND_STAGE_SENT,
+    MigrationEvent,
+)
+
+
+def _cache(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn((16, 2, 4, 8), generator=generator) for i in range(2)}
+
+
+def _wait(events: list[MigrationEvent], count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(events) < count:
+        assert time.monotonic() < deadline, f"only {len(events)} events: {events}"
+        time.sleep(0.01)
+
+
+def test_stages_travel_from_one_cache_into_another() -> None:
+    source = KVBlockCopier(_cache(1), 16)
+    target = KVBlockCopier(_cache(2), 16)
+    layout = source.layout
+    events: list[MigrationEvent] = []
+    staging = StagingService("tcp", "127.0.0.1", 0, layout.bytes_per_block, layout.dtype, 60, events.append)
+    staging.start()
+    sender = StageSender(layout.bytes_per_block, layout.dtype, events.append, timeout_s=5)
+    destination = Destination(staging.address, "tcp", "")
+    request_blocks = (3, 7, 9)
+    try:
+        for stage, first, blocks, tokens, final in ((1, 0, (3, 7), 6, False), (2, 1, (7, 9), 10, True)):
+            item = ExportItem("m", "r", "engine-r", stage, final, first, blocks, tokens, destination)
+            sender.submit(item, source.copy_out_block_major(blocks), copy_ms=0.5)
+        _wait(events, 4)
+    finally:
+        sender.close()
+    sent = [e for e in events if e.kind == MIGRATION_EVENT_KIND_STAGE_SENT]
+    received = [e for e in events if e.kind == MIGRATION_EVENT_KIND_STAGE_RECEIVED]
+    assert [(e.stage, e.final, e.blocks, e.num_tokens) for e in sent] == [(1, False, 2, 6), (2, True, 2, 10)]
+    assert all(e.send_ms > 0 and e.copy_ms == 0.5 and e.bytes == 2 * layout.bytes_per_block for e in sent)
+    assert [e.num_tokens for e in received] == [6, 10]
+
+    staged = staging.take("m")
+    staging.close()
+    assert staged is not None and staged.num_tokens == 10
+    buffer = torch.frombuffer(staged.blocks(0, 3), dtype=torch.uint8).view(torch.float32)
+    destination_blocks = [12, 0, 5]
+    target.copy_in_block_major(destination_blocks, buffer.reshape(target.block_major_shape(3)))
+    assert torch.equal(target.copy_out(destination_blocks), source.copy_out(request_blocks))
+
+
+def test_a_dead_destination_becomes_a_stage_failed_event() -> None:
+    copier = KVBlockCopier(_cache(1), 16)
+    events: list[MigrationEvent] = []
+    sender = StageSender(copier.layout.bytes_per_block, copier.layout.dtype, events.append, timeout_s=1)
+    item = ExportItem("m", "r", "engine-r", 1, False, 0, (1,), 3, Destination("tcp://127.0.0.1:1", "tcp", ""))
+    sender.submit(item, copier.copy_out_block_major((1,)), copy_ms=0.1)
+    _wait(events, 1)
+    sender.close()
+    assert events[0].kind == MIGRATION_EVENT_KIND_STAGE_FAILED and "cannot connect" in events[0].error
+
+
+def test_staging_leases_expire_without_engine_steps() -> None:
+    events: list[MigrationEvent] = []
+    staging = StagingService("tcp", "127.0.0.1", 0, 64, "float32", 0.2, events.append)
+    staging.start()
+    try:
+        from llumnix.v1.kv_transfer_pb2 import KVStageHeader
+
+        staging.store.put(KVStageHeader(schema_version=1, migration_id="idle", num_blocks=1, num_tokens=3,
+                                        payload_bytes=64, bytes_per_block=64, dtype="float32"), b"x" * 64)
+        deadline = time.monotonic() + 5
+        while staging.store.staged_tokens("idle"):
+            assert time.monotonic() < deadline, "the reaper never expired the idle staging"
+            time.sleep(0.05)
+        assert staging.store.bytes_held == 0
+    finally:
+        staging.close()
+
+
+def test_block_major_buffers_hold_each_block_contiguously() -> None:
+    # Two kernel blocks per scheduler block: block b spans kernel blocks 2b and 2b+1.
+    cache = {f"layer{i}": torch.arange(i * 1000, i * 1000 + 8 * 3, dtype=torch.float32).view(8, 1, 3)
+             for i in range(2)}
+    copier = KVBlockCopier(cache, 4)
+    buffer = copier.copy_out_block_major([2, 0])
+    assert buffer.shape == copier.block_major_shape(2) == (2, 2, 2, 1, 3)
+    assert buffer[0].flatten().tolist() == [*range(12, 18), *range(1012, 1018)]  # block 2, both layers
+    assert torch.equal(buffer.permute(1, 0, 2, 3, 4).reshape(copier.buffer_shape(2)), copier.copy_out([2, 0]))
+    target = KVBlockCopier({name: torch.zeros_like(t) for name, t in cache.items()}, 4)
+    target.copy_in_block_major([1, 3], buffer)
+    assert torch.equal(target.copy_out([1, 3]), copier.copy_out([2, 0]))

@@ -1,0 +1,236 @@
+"""The engine <-> engine KV data plane over real TCP sockets and threads: frames round-trip into staging,
+re-sent tail blocks overwrite, layout mismatches are refused, leases expire, senders reconnect."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from llumlet.kv_transport import (
+    KV_FRAME_SCHEMA_VERSION,
+    KVTransportError,
+    StagingStore,
+    TcpKVReceiver,
+    TcpKVSender,
+    encode_message,
+    make_receiver,
+    make_sender,
+    parse_tcp_address,
+    read_ack,
+    read_frame,
+    write_frame,
+)
+from llumnix.v1.kv_transfer_pb2 import KVStageAck, KVStageHeader
+
+BLOCK = 64  # bytes per block in these tests
+
+
+def _header(migration_id: str, stage: int, first: int, blocks: int, tokens: int, **override) -> KVStageHeader:
+    fields = dict(
+        schema_version=KV_FRAME_SCHEMA_VERSION, migration_id=migration_id, stage=stage, first_block=first,
+        num_blocks=blocks, num_tokens=tokens, payload_bytes=blocks * BLOCK, bytes_per_block=BLOCK,
+        dtype="float32",
+    )
+    fields.update(override)
+    return KVStageHeader(**fields)
+
+
+def _blocks(*fills: int) -> bytes:
+    return b"".join(bytes([fill]) * BLOCK for fill in fills)
+
+
+def test_frame_and_ack_round_trip_over_a_socket_pair() -> None:
+    left, right = socket.socketpair()
+    payload = memoryview(bytearray(_blocks(1, 2, 3)))
+    header = _header("m", 1, 0, 3, 70)
+    write_frame(left, header, payload)
+    frame = read_frame(right)
+    assert frame.header == header and bytes(frame.payload) == bytes(payload)
+    right.sendall(encode_message(KVStageAck(migration_id="m", stage=1, ok=True)))
+    assert read_ack(left).ok
+    with pytest.raises(ValueError, match="payload bytes"):
+        write_frame(left, _header("m", 2, 0, 2, 70), payload)
+    left.close()
+    right.close()
+
+
+def test_addresses() -> None:
+    assert parse_tcp_address("tcp://10.0.0.7:40123") == ("10.0.0.7", 40123)
+    assert parse_tcp_address("[::1]:5") == ("::1", 5)
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        parse_tcp_address("ipc:///x")
+
+
+def test_staging_keeps_the_newest_copy_of_each_block_and_gives_contiguous_buffers() -> None:
+    store = StagingStore(BLOCK, "float32", lease_s=30)
+    store.put(_header("m", 1, 0, 2, 40), _blocks(1, 2))  # block 1 partial
+    store.put(_header("m", 2, 1, 2, 90), _blocks(5, 6))  # block 1 re-sent full, block 2 partial
+    assert store.staged_tokens("m") == 90 and store.bytes_held == 3 * BLOCK
+    staged = store.take("m")
+    assert staged is not None and staged.num_tokens == 90
+    assert bytes(staged.blocks(0, 3)) == _blocks(1, 5, 6)
+    assert bytes(staged.blocks(1, 2)) == _blocks(5)
+    with pytest.raises(KeyError, match=r"\[3\]"):
+        staged.blocks(2, 4)
+    assert store.take("m") is None and store.bytes_held == 0 and store.staged_tokens("m") == 0
+
+
+def test_staging_refuses_foreign_layouts_and_short_payloads() -> None:
+    store = StagingStore(BLOCK, "float32")
+    with pytest.raises(ValueError, match="layout mismatch"):
+        store.put(_header("m", 1, 0, 1, 1, dtype="bfloat16"), _blocks(1))
+    with pytest.raises(ValueError, match="layout mismatch"):
+        store.put(_header("m", 1, 0, 1, 1, bytes_per_block=32, payload_bytes=32), b"x" * 32)
+    with pytest.raises(ValueError, match="payload has"):
+        store.put(_header("m", 1, 0, 2, 1), _blocks(1))
+    with pytest.raises(ValueError, match="schema 9"):
+        store.put(_header("m", 1, 0, 1, 1, schema_version=9), _blocks(1))
+    assert len(store) == 0
+
+
+def test_leases_expire_untouched_migrations_only() -> None:
+    store = StagingStore(BLOCK, "float32", lease_s=10)
+    store.put(_header("old", 1, 0, 1, 5), _blocks(1), now=100.0)
+    store.put(_header("new", 1, 0, 1, 5), _blocks(1), now=100.0)
+    store.put(_header("new", 2, 0, 1, 9), _blocks(2), now=105.0)  # renewed by its next stage
+    assert store.expire(now=109.0) == []
+    assert store.expire(now=110.0) == ["old"]
+    assert store.staged_tokens("new") == 9
+    assert store.drop("new") and not store.drop("new")
+    assert store.expire(now=1e9) == []
+
+
+@pytest.fixture
+def receiver():
+    staging = StagingStore(BLOCK, "float32", lease_s=30)
+    seen: list[tuple[str, int]] = []
+    receiver = TcpKVReceiver("127.0.0.1", 0, staging=staging,
+                             on_stage=lambda header: seen.append((header.migration_id, header.stage)))
+    receiver.start()
+    receiver.seen = seen
+    yield receiver
+    receiver.close()
+
+
+def test_stages_over_tcp_land_in_staging_on_one_connection(receiver) -> None:
+    sender = TcpKVSender(receiver.address, timeout_s=5)
+    try:
+        for migration in ("a", "b"):
+            assert sender.send(_header(migration, 1, 0, 2, 40), memoryview(_blocks(1, 2))).ok
+            assert sender.send(_header(migration, 2, 1, 1, 64), _blocks(7)).ok
+        first_connection = sender._sock
+        assert first_connection is not None
+    finally:
+        sender.close()
+    assert receiver.seen == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
+    staged = receiver.staging.take("b")
+    assert staged.num_tokens == 64 and bytes(staged.blocks(0, 2)) == _blocks(1, 7)
+
+
+def test_a_layout_mismatch_is_refused_and_the_sender_recovers(receiver) -> None:
+    sender = TcpKVSender(receiver.address, timeout_s=5)
+    try:
+        # A payload far larger than the socket buffers: the refusal still arrives as such.
+        big = 4096
+        with pytest.raises(KVTransportError, match="layout mismatch"):
+            sender.send(_header("m", 1, 0, big, 1, dtype="float16"), bytes(big * BLOCK))
+        connection = sender._sock
+        assert receiver.staging.staged_tokens("m") == 0
+        assert sender.send(_header("m", 1, 0, 1, 3), _blocks(1)).ok
+        assert sender._sock is connection  # the refusal kept the connection
+    finally:
+        sender.close()
+    assert receiver.staging.staged_tokens("m") == 3
+
+
+def test_sender_reconnects_after_the_receiver_restarts() -> None:
+    staging = StagingStore(BLOCK, "float32")
+    first = TcpKVReceiver("127.0.0.1", 0, staging=staging)
+    first.start()
+    host, port = parse_tcp_address(first.address)
+    sender = TcpKVSender(first.address, timeout_s=5)
+    try:
+        assert sender.send(_header("m", 1, 0, 1, 1), _blocks(1)).ok
+        first.close()
+        time.sleep(0.1)
+        second = TcpKVReceiver(host, port, staging=staging)
+        second.start()
+        try:
+            assert sender.send(_header("m", 2, 0, 1, 2), _blocks(2)).ok
+        finally:
+            second.close()
+    finally:
+        sender.close()
+    assert staging.staged_tokens("m") == 2
+
+
+def test_a_dead_destination_fails_within_the_timeout() -> None:
+    # Refused connection: nothing listens on the port any more.
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(KVTransportError, match="cannot connect"):
+        TcpKVSender(f"tcp://127.0.0.1:{port}", timeout_s=2).send(_header("m", 1, 0, 1, 1), _blocks(1))
+    # A peer that accepts but never answers: the send times out instead of hanging.
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
+    sender = TcpKVSender(f"tcp://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(KVTransportError, match="timed out"):
+        sender.send(_header("m", 1, 0, 1, 1), _blocks(1))
+    assert time.monotonic() - started < 3
+    sender.close()
+    silent.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_factories_choose_the_transport() -> None:
+    staging = StagingStore(BLOCK, "float32")
+    receiver = make_receiver("tcp", host="127.0.0.1", staging=staging)
+    assert isinstance(receiver, TcpKVReceiver)
+    receiver.close()
+    assert isinstance(make_sender("", "tcp://127.0.0.1:1", ""), TcpKVSender)
+    with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
+        make_sender("rdma", "x", "")
+
+
+def test_nccl_refuses_clearly_without_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the refusal path does not apply")
+    with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
+        make_sender("nccl", "tcp://127.0.0.1:1", "")
+    with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
+        make_receiver("nccl", host="127.0.0.1", staging=StagingStore(BLOCK, "float32"))
+
+
+def test_nccl_stages_land_in_device_staging() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL refuses two ranks of one communicator on one GPU)")
+    staging = StagingStore(BLOCK, "float32")
+    receiver = make_receiver("nccl", host="127.0.0.1", staging=staging)
+    receiver.device = torch.device("cuda", 1)
+    receiver.start()
+    sender = make_sender("nccl", receiver.address, "")
+    try:
+        for stage, fill in ((1, 3), (2, 9)):
+            payload = torch.full((2 * BLOCK,), fill, dtype=torch.uint8, device="cuda:0")
+            assert sender.send(_header("g", stage, stage - 1, 2, 40 * stage), payload).ok
+        with pytest.raises(KVTransportError, match="layout mismatch"):
+            sender.send(_header("g", 3, 0, 1, 1, dtype="float16"), torch.zeros(BLOCK, dtype=torch.uint8,
+                                                                           device="cuda:0"))
+        staged = staging.take("g")
+        blocks = staged.blocks(0, 3)
+        assert blocks.device.index == 1 and staged.num_tokens == 80
+        assert blocks.cpu().tolist() == [3] * BLOCK + [9] * 2 * BLOCK
+    finally:
+        sender.close()
+        receiver.close()

@@ -1,0 +1,133 @@
+"""The destination's reservations: what Propose admits, how the load shows reservations, and that
+leases, aborts and refusals leave nothing behind (staging dropped, load back to idle)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+
+from llumlet.admission import Admission
+from llumlet.engine_client import EngineClient
+from llumlet.load_tracker import LoadTracker
+from llumlet.metrics import LlumletMetrics
+from llumlet.migration.destination import Destination
+from llumlet.migration.settings import MigrationSettings
+from llumlet.requests import RequestTable
+from llumnix.v1 import migration_pb2 as mpb
+from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
+
+HANDSHAKE = {"model": "m", "kv_dtype": "float32", "block_size": 16, "kv_layout": {"bytes_per_block": 64},
+             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_address": "tcp://127.0.0.1:9",
+             "kv_transport": "tcp"}
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.dropped: list[str] = []
+
+    async def drop_staging(self, migration_id: str) -> None:
+        self.dropped.append(migration_id)
+
+
+@pytest_asyncio.fixture
+async def destination() -> AsyncIterator[tuple[Destination, FakeLink]]:
+    requests = RequestTable()
+    tracker = LoadTracker("d", requests)
+    tracker.on_snapshot(EngineSnapshot(engine_id="e", step=1, timestamp=time.time(), total_blocks=100,
+                                       free_blocks=100, block_size=16))
+    metrics = LlumletMetrics("d", tracker.report)
+    admission = Admission(EngineClient("http://127.0.0.1:9"), requests, tracker, metrics)
+    admission.engine_healthy = True
+    link = FakeLink()
+    node = Destination("d", admission, tracker, link, lambda: dict(HANDSHAKE),  # type: ignore[arg-type]
+                       MigrationSettings(max_concurrent=2, lease_s=0.3), metrics)
+    yield node, link
+    await admission.engine.close()
+
+
+def _proposal(migration_id: str, blocks: int, **handshake: object) -> mpb.ProposeMigrationRequest:
+    return mpb.ProposeMigrationRequest(
+        migration_id=migration_id, source_instance_id="s", request_id=f"req-{migration_id}",
+        body_json=json.dumps({"prompt": "x", "max_tokens": 10}), prompt_tokens=blocks * 16 - 1,
+        output_tokens=1, blocks=blocks, handshake_json=json.dumps({**HANDSHAKE, **handshake}), lease_ms=300)
+
+
+def _load(node: Destination) -> tuple[int, int]:
+    report = node.tracker.report()
+    assert report is not None
+    return report.load.reserved_blocks, report.load.migrating_in
+
+
+async def test_accepting_reserves_blocks_in_the_load_until_aborted(destination: tuple) -> None:
+    node, link = destination
+    answer = node.propose(_proposal("m1", 10))
+    assert answer.accepted and answer.kv_address == "tcp://127.0.0.1:9" and answer.transport == "tcp"
+    assert _load(node) == (11, 1)  # one block of growth while it keeps decoding
+    released = await node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test"))
+    assert released.released and link.dropped == ["m1"]
+    assert _load(node) == (0, 0)
+    assert not (await node.abort(mpb.AbortMigrationRequest(migration_id="m1"))).released
+
+
+async def test_refusals_change_nothing(destination: tuple) -> None:
+    node, _ = destination
+    incompatible = node.propose(_proposal("m1", 4, block_size=32))
+    assert not incompatible.accepted and "block_size" in incompatible.reason
+    too_big = node.propose(_proposal("m2", 98))  # fits, but leaves freeness below the threshold
+    assert not too_big.accepted and "room" in too_big.reason
+    node.tracker.draining = True
+    draining = node.propose(_proposal("m3", 4))
+    assert not draining.accepted and "draining" in draining.reason
+    assert _load(node) == (0, 0)
+
+
+async def test_concurrency_bound_counts_migrations_in_and_out(destination: tuple) -> None:
+    node, _ = destination
+    assert node.propose(_proposal("m1", 4)).accepted
+    node.outgoing = lambda: 1
+    busy = node.propose(_proposal("m2", 4))
+    assert not busy.accepted and "2 migration" in busy.reason
+    duplicate = node.propose(_proposal("m1", 4))
+    assert not duplicate.accepted
+
+
+async def test_leases_expire_unless_renewed(destination: tuple) -> None:
+    node, link = destination
+    assert node.propose(_proposal("kept", 4)).accepted
+    assert node.propose(_proposal("lost", 4)).accepted
+    expiry = asyncio.create_task(node.expire())
+    try:
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            assert node.renew(mpb.RenewMigrationRequest(migration_id="kept")).ok
+        assert link.dropped == ["lost"]
+        assert not node.renew(mpb.RenewMigrationRequest(migration_id="lost")).ok
+        assert _load(node) == (5, 1)
+    finally:
+        expiry.cancel()
+        await asyncio.gather(expiry, return_exceptions=True)
+
+
+async def test_commit_without_a_reservation_fails(destination: tuple) -> None:
+    node, _ = destination
+    answer = await node.commit(mpb.CommitMigrationRequest(migration_id="nope"))
+    assert not answer.ok and "no such migration" in answer.reason
+
+    assert node.attach("nope") is None
+
+
+async def test_a_request_moving_out_is_marked_in_the_load(destination: tuple) -> None:
+    node, _ = destination
+    node.tracker.on_snapshot(EngineSnapshot(
+        engine_id="e", step=2, timestamp=time.time(), total_blocks=100, free_blocks=90, block_size=16,
+        running=[EngineRequest(request_id="x", prompt_tokens=100, output_tokens=5, blocks=7),
+                 EngineRequest(request_id="y", prompt_tokens=10, output_tokens=5, blocks=1)]))
+    node.tracker.migrating_out.add("x")
+    report = node.tracker.report()
+    assert report is not None
+    assert report.load.migrating_out == 1
+    assert {r.request_id: r.migrating for r in report.load.running} == {"x": True, "y": False}

@@ -1,0 +1,233 @@
+"""The operator's pure builders: an LLMService spec -> the manifests it owns (hand-checked values)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llumnix.service_spec import ServiceSettings, validate_spec
+from llumnix_operator.access import role, role_binding, service_account
+from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.disruption_budget import engine_disruption_budget
+from llumnix_operator.engine_pod import SNAPSHOT_ADDR, engine_pod, engine_pod_template
+from llumnix_operator.handlers import owned_objects
+from llumnix_operator.llumlet_service import llumlets_service
+from llumnix_operator.naming import TEMPLATE_HASH_ANNOTATION, owner_reference
+from llumnix_operator.router import router_deployment, router_service
+
+CONFIG = BuildConfig(image="reg/llumnix:1", vllm_image="reg/llumnix-vllm:1", drain_timeout_s=100)
+
+
+def settings(**spec: object) -> ServiceSettings:
+    return ServiceSettings("llama", "prod", validate_spec({"model": {"name": "llama-7b"}, **spec}))
+
+
+def containers(pod: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in pod["spec"]["containers"]}
+
+
+def test_vllm_engine_pod_runs_vllm_with_the_connector_and_the_llumlet_sidecar() -> None:
+    s = settings(
+        model={"name": "llama-7b", "source": {"pvc": "models", "subPath": "llama-2-7b"}},
+        engine={
+            "args": ["--max-model-len=4096"],
+            "resources": {
+                "gpus": 2,
+                "tensorParallelSize": 2,
+                "memory": "64Gi",
+                "nodeSelector": {"gpu": "a10"},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            },
+        },
+    )
+    pod = engine_pod(s, CONFIG)
+    engine, llumlet = containers(pod)["engine"], containers(pod)["llumlet"]
+    assert engine["image"] == "reg/llumnix-vllm:1" and llumlet["image"] == "reg/llumnix:1"
+    argv = engine["command"] + engine["args"]
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--model") + 1] == "/model"
+    assert argv[argv.index("--served-model-name") + 1] == "llama-7b"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[-1] == "--max-model-len=4096"  # user args last: they win over the defaults
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "llumlet.kv_connector"
+    assert kv["kv_connector_extra_config"]["snapshot_addr"] == SNAPSHOT_ADDR
+    assert engine["resources"] == {
+        "requests": {"nvidia.com/gpu": "2", "memory": "64Gi"},
+        "limits": {"nvidia.com/gpu": "2", "memory": "64Gi"},
+    }
+    assert {"name": "model", "mountPath": "/model", "readOnly": True, "subPath": "llama-2-7b"} in engine[
+        "volumeMounts"
+    ]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "spec"
+    ]["volumes"]
+    assert pod["spec"]["nodeSelector"] == {"gpu": "a10"}
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    # The socket directory is shared; /dev/shm is memory-backed for vLLM's workers.
+    assert {"name": "llumnix-run", "mountPath": "/run/llumnix"} in llumlet["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["spec"]["volumes"]
+
+
+def test_engine_pod_probes_drain_hook_and_grace() -> None:
+    pod = engine_pod(settings(), CONFIG)
+    engine, llumlet = containers(pod)["engine"], containers(pod)["llumlet"]
+    hook = ["llumnix", "drain-instance", "--address", "127.0.0.1:50051", "--timeout", "100"]
+    assert engine["lifecycle"]["preStop"]["exec"]["command"] == hook
+    assert llumlet["lifecycle"]["preStop"]["exec"]["command"] == hook
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 130 > CONFIG.drain_timeout_s
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert llumlet[probe]["httpGet"] == {"path": "/health", "port": "llumlet-http"}
+    # Start-up may take as long as a model load: 5 s x 180.
+    assert llumlet["startupProbe"]["periodSeconds"] * llumlet["startupProbe"]["failureThreshold"] == 900
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert llumlet["env"] == [
+        pod_ip,
+        {"name": "LLUMNIX_INSTANCE_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    args = llumlet["args"]
+    assert args[args.index("--engine-url") + 1] == "http://127.0.0.1:8000"
+    assert args[args.index("--migration-select") + 1] == "last-come"
+    assert args[args.index("--max-concurrent-migrations") + 1] == "1"
+    assert "--high-priority-target-tokens" in args
+    # The connector's KV receiver listens on the pod IP (POD_IP is declared first, so it expands).
+    assert engine["env"][0] == pod_ip
+    assert {"name": "LLUMNIX_KV_HOST", "value": "$(POD_IP)"} in engine["env"]
+    assert engine["resources"] == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+
+
+def test_sim_engine_pod_uses_the_project_image_and_no_gpu() -> None:
+    pod = engine_pod(settings(engine={"runtime": "sim", "blockSize": 32, "resources": {"gpus": 0}}), CONFIG)
+    engine = containers(pod)["engine"]
+    assert engine["image"] == "reg/llumnix:1"
+    assert engine["command"] + engine["args"] == [
+        "python",
+        "-m",
+        "llumnix.sim_engine",
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        "8000",
+        "--model",
+        "llama-7b",
+        "--snapshot-addr",
+        SNAPSHOT_ADDR,
+        "--block-size",
+        "32",
+    ]
+    assert engine["resources"] == {}
+    llumlet_args = containers(pod)["llumlet"]["args"]
+    # The sim engine binds the pod IP (its KV receiver must be reachable by peers); the llumlet follows.
+    assert llumlet_args[llumlet_args.index("--engine-url") + 1] == "http://$(POD_IP):8000"
+
+
+def test_engine_pod_labels_name_and_template_hash() -> None:
+    s = settings()
+    pod = engine_pod(s, CONFIG)
+    meta = pod["metadata"]
+    assert meta["generateName"] == "llama-engine-" and meta["namespace"] == "prod"
+    assert meta["labels"]["llumnix.io/service"] == "llama"
+    assert meta["labels"]["app.kubernetes.io/component"] == "engine"
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "llumnix-operator"
+    same = meta["annotations"][TEMPLATE_HASH_ANNOTATION]
+    assert same == engine_pod(s, CONFIG)["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+    changed = engine_pod(settings(engine={"args": ["--x"]}), CONFIG)["metadata"]["annotations"]
+    assert changed[TEMPLATE_HASH_ANNOTATION] != same
+    # Scaling does not change the template (no rolling replacement for a replica change).
+    assert engine_pod_template(
+        settings(replicas=3, instances={"min": 1, "max": 4}), CONFIG
+    ) == engine_pod_template(s, CONFIG)
+
+
+def test_headless_llumlet_service_selects_ready_engine_pods() -> None:
+    svc = llumlets_service(settings())
+    assert svc["metadata"]["name"] == "llama-llumlets"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+    assert svc["spec"]["selector"] == {"llumnix.io/service": "llama", "app.kubernetes.io/component": "engine"}
+    assert {"name": "grpc", "port": 50051, "targetPort": "llumlet-grpc"} in svc["spec"]["ports"]
+
+
+def test_router_finds_llumlets_by_dns_and_mounts_api_keys() -> None:
+    s = settings(
+        router={"replicas": 2, "port": 9000, "serviceType": "LoadBalancer", "apiKeySecret": "keys"},
+        dispatch={"policy": "infaas++"},
+    )
+    deployment = router_deployment(s, CONFIG)
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    assert deployment["spec"]["replicas"] == 2
+    assert container["command"] == ["llumnix"] and args[0] == "router"
+    assert args[args.index("--instances-dns") + 1] == "llama-llumlets.prod.svc:50051"
+    assert args[args.index("--dispatch-policy") + 1] == "infaas++"
+    assert args[args.index("--api-keys-file") + 1] == "/etc/llumnix/api-keys/keys"
+    assert pod["spec"]["volumes"] == [{"name": "api-keys", "secret": {"secretName": "keys"}}]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    service = router_service(s)
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http"}]
+
+
+def test_workload_identity_has_no_token_and_one_read_verb() -> None:
+    s = settings()
+    assert service_account(s)["automountServiceAccountToken"] is False
+    assert role(s)["rules"] == [
+        {
+            "apiGroups": ["llumnix.io"],
+            "resources": ["llmservices"],
+            "resourceNames": ["llama"],
+            "verbs": ["get"],
+        }
+    ]
+    binding = role_binding(s)
+    assert binding["roleRef"]["name"] == role(s)["metadata"]["name"] == "llama-llumnix"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-llumnix", "namespace": "prod"}]
+
+
+def test_disruption_budget_allows_one_engine_down() -> None:
+    pdb = engine_disruption_budget(settings())
+    assert pdb["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"llumnix.io/service": "llama", "app.kubernetes.io/component": "engine"}},
+    }
+
+
+def test_owned_objects_are_namespaced_and_labelled() -> None:
+    objects = owned_objects(settings(), CONFIG)
+    assert sorted(o["kind"] for o in objects) == [
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Service",
+        "ServiceAccount",
+    ]
+    for o in objects:
+        assert o["metadata"]["namespace"] == "prod"
+        assert o["metadata"]["labels"]["llumnix.io/service"] == "llama"
+
+
+def test_owner_reference_is_a_controller_reference() -> None:
+    owner = {
+        "apiVersion": "llumnix.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": "llama", "uid": "u1"},
+    }
+    assert owner_reference(owner) == {
+        "apiVersion": "llumnix.io/v1alpha1",
+        "kind": "LLMService",
+        "name": "llama",
+        "uid": "u1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "vllm-cpu"])
+def test_vllm_device_follows_the_runtime(runtime: str) -> None:
+    engine = containers(engine_pod(settings(engine={"runtime": runtime, "blockSize": 32}), CONFIG))["engine"]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert ("VLLM_TARGET_DEVICE" in env) == (runtime == "vllm-cpu")
+    assert ("--enforce-eager" in engine["args"]) == (runtime == "vllm-cpu")

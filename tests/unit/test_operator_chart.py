@@ -1,0 +1,120 @@
+"""The Helm chart lints and renders (Helm's own engine, via helm-python-sdk); its manifests and the
+ones the operator builds validate against the Kubernetes API schemas; the operator's ClusterRole grants
+every verb the operator uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llumnix.service_spec import ServiceSettings, validate_spec
+from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.engine_pod import engine_pod
+from llumnix_operator.ensure import _KINDS
+from llumnix_operator.handlers import owned_objects
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (dev extra)")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed"
+)
+
+CHART = Path(__file__).resolve().parents[2] / "charts/llumnix"
+KUBE_VERSION = "1.33"
+
+
+def render(values: dict | None = None) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    try:
+        rendered = chart.render(values or {}, name="rel", namespace="llumnix")
+    finally:
+        chart.close()
+    return [doc for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def validate(manifest: dict) -> None:
+    kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
+
+
+def test_chart_lints_without_warnings() -> None:
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("all_namespaces", [True, False])
+def test_rendered_manifests_are_valid(all_namespaces: bool) -> None:
+    docs = render({"operator": {"allNamespaces": all_namespaces, "replicas": 2}})
+    kinds = sorted(d["kind"] for d in docs)
+    role = "ClusterRole" if all_namespaces else "Role"
+    peering = "ClusterKopfPeering" if all_namespaces else "KopfPeering"
+    assert kinds == sorted(["Deployment", "ServiceAccount", role, f"{role}Binding", peering])
+    for doc in docs:
+        if doc["apiVersion"] != "kopf.dev/v1":  # a custom resource: its CRD ships in crds/
+            validate(doc)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["llumnix"] and container["args"][0] == "operator"
+    assert "--peering=llumnix" in container["args"]
+    assert ("--all-namespaces" in container["args"]) == all_namespaces
+    assert {"name": "LLUMNIX_IMAGE", "value": "ghcr.io/llumnix/llumnix:0.1.0"} in container["env"]
+
+
+def test_chart_ships_the_generated_crd() -> None:
+    crd = yaml.safe_load((CHART / "crds/llmservices.llumnix.io.yaml").read_text())
+    validate(crd)
+    assert crd["metadata"]["name"] == "llmservices.llumnix.io"
+
+
+def _granted(rules: list[dict], group: str, resource: str) -> set[str]:
+    return {
+        verb
+        for rule in rules
+        if group in rule["apiGroups"] and resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_operator_role_grants_what_the_operator_does() -> None:
+    rules = next(d for d in render() if d["kind"] == "ClusterRole")["rules"]
+    for (api_version, kind), _ in _KINDS.items():
+        group = api_version.rpartition("/")[0]
+        plural = {
+            "Service": "services",
+            "ServiceAccount": "serviceaccounts",
+            "Deployment": "deployments",
+            "PodDisruptionBudget": "poddisruptionbudgets",
+            "Role": "roles",
+            "RoleBinding": "rolebindings",
+        }[kind]
+        assert {"get", "create", "patch"} <= _granted(rules, group, plural), kind
+    assert {"list", "watch", "create", "delete"} <= _granted(rules, "", "pods")
+    assert {"list", "watch", "patch"} <= _granted(rules, "llumnix.io", "llmservices")
+    assert "patch" in _granted(rules, "llumnix.io", "llmservices/status")
+    assert "create" in _granted(rules, "", "events")
+    # The operator may grant only what it holds (RBAC escalation check): the workloads' Role.
+    assert "get" in _granted(rules, "llumnix.io", "llmservices")
+
+
+def test_operator_built_manifests_are_valid() -> None:
+    settings = ServiceSettings(
+        "llama",
+        "prod",
+        validate_spec(
+            {
+                "model": {"name": "llama", "source": {"pvc": "models"}},
+                "engine": {
+                    "resources": {
+                        "gpus": 1,
+                        "memory": "32Gi",
+                        "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    }
+                },
+                "router": {"apiKeySecret": "keys"},
+            }
+        ),
+    )
+    config = BuildConfig()
+    for manifest in [*owned_objects(settings, config), engine_pod(settings, config)]:
+        validate(manifest)
