@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
@@ -38,7 +39,10 @@ from llumnix.tiny_model import PRESETS, ensure_tiny_model
 from llumnix.traces import TRACE_PRESETS, generate_trace
 
 DEFAULT_ADMIN_PORT = 8090
-DEMO_REQUESTS = 40
+DEMO_REQUESTS = 24
+MIN_OUTPUT_TOKENS = 8
+"""Workload requests generate at least this many tokens: a single token of a random tiny model can
+decode to no text, which a client cannot tell from a request that produced nothing."""
 GIVE_UP_AFTER_FAILURES = 3
 """Per desired instance: this many failed starts before the service ever served ends `up`."""
 
@@ -65,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workload length distribution (default: %(default)s)")
     parser.add_argument("--rate", type=float, default=4.0,
                         help="workload requests per second (default: %(default)s)")
-    parser.add_argument("--max-total-tokens", type=int, default=384,
+    parser.add_argument("--max-total-tokens", type=int, default=256,
                         help="workload cap on prompt + output tokens per request (default: %(default)s)")
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S",
                         help="seconds between status lines (default: %(default)s)")
@@ -206,7 +210,8 @@ async def force_migration(service: LocalService, stop: asyncio.Event) -> str:
 
 
 async def run_workload(service: LocalService, args: argparse.Namespace, requests: int, demo: bool) -> bool:
-    trace = generate_trace(args.trace, requests, args.rate, 1.0, 0, 0.0, args.max_total_tokens)
+    trace = [replace(r, output_tokens=max(r.output_tokens, MIN_OUTPUT_TOKENS))
+             for r in generate_trace(args.trace, requests, args.rate, 1.0, 0, 0.0, args.max_total_tokens)]
     print(f"workload: {requests} {args.trace} requests at {args.rate:g}/s through {service.router.url}")
     done = asyncio.Event()
     migration = asyncio.create_task(force_migration(service, done)) if demo else None

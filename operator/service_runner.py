@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,8 +33,6 @@ from llumnix_operator.status import (
 
 logger = logging.getLogger("llumnix.operator")
 
-ROLLING_DRAIN_REASON = "admin"
-
 
 class ServiceRunner:
     """One LLMService. `body` is kopf's live view of the object (it follows every change)."""
@@ -45,7 +44,7 @@ class ServiceRunner:
         config: BuildConfig,
         on_event: Callable[[ControlEvent], None],
         clock: Callable[[], float] = time.time,
-        **loop_options: Any,
+        load_refresh_s: float = 10.0,
     ) -> None:
         self.body = body
         self.api_client = api_client
@@ -58,11 +57,12 @@ class ServiceRunner:
         self.written_status: dict[str, Any] = _plain(body.get("status") or {})
         self.migrations_before: dict[str, int] = dict(self.written_status.get("migrations") or {})
         self.backend = PodBackend(
-            api_client, self._owner(), lambda: self._require_settings(), lambda s: engine_pod(s, config)
+            api_client, self._owner(), self._require_settings, lambda s: engine_pod(s, config)
         )
         self.on_event = on_event
-        self.loop_options = loop_options
         self.loop: ControlLoop | None = None
+        self.load_refresh_s = load_refresh_s
+        self._last_write = -math.inf
 
     @property
     def name(self) -> str:
@@ -179,10 +179,14 @@ class ServiceRunner:
         if self.loop is not None and not self.backend.listed:
             return False  # the loop has not looked yet: it would report no instances
         status = self.desired_status()
-        if not status_changed(status, self.written_status):
+        # State changes (conditions, counts, phases, decisions) are written at once; load figures that
+        # move with every request at most every `load_refresh_s`, to spare the API server.
+        load_due = time.monotonic() - self._last_write >= self.load_refresh_s
+        if not status_changed(status, self.written_status, with_load=load_due):
             return False
         await asyncio.to_thread(self._write_status, status)
         self.written_status = status
+        self._last_write = time.monotonic()
         return True
 
     async def publish_autoscaled_count(self) -> None:
@@ -221,7 +225,6 @@ class ServiceRunner:
                 on_event=self.on_event,
                 clock=self.clock,
                 drain_timeout_s=self.config.drain_timeout_s,
-                **self.loop_options,
             )
         if self.loop is not None and self.spec_error is None:
             await self.roll_one()
@@ -235,10 +238,8 @@ class ServiceRunner:
             while not stopped():
                 try:
                     await self.tick()
-                except kubernetes.client.ApiException as exc:
-                    logger.warning(
-                        "API call failed; retrying", extra={"service": self.name, "status": exc.status}
-                    )
+                except Exception:  # an API outage or a rejected write: retried next tick, never fatal
+                    logger.exception("operator tick failed; retrying", extra={"service": self.name})
                 if loop_task is None and self.loop is not None:
                     loop_task = asyncio.create_task(self.loop.run(), name=f"control-loop {self.name}")
                 await asyncio.sleep(interval_s)

@@ -137,13 +137,25 @@ def service_status(
     return _drop_none(result)
 
 
-def status_changed(new: dict[str, Any], old: dict[str, Any]) -> bool:
-    """Whether writing `new` would change what `old` says (transition times aside)."""
+LOAD_FIELDS = ("freeness", "running", "waiting")
+"""Per-instance figures that move with every request (written at a bounded rate)."""
 
-    def strip(status: dict[str, Any]) -> dict[str, Any]:
-        conditions = [
-            {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []
+
+def _comparable(status: dict[str, Any], with_load: bool) -> dict[str, Any]:
+    conditions = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []
+    ]
+    result = {**status, "conditions": conditions}
+    if not with_load:
+        result.pop("averageFreeness", None)
+        result["instanceSummaries"] = [
+            {k: v for k, v in i.items() if k not in LOAD_FIELDS}
+            for i in status.get("instanceSummaries") or []
         ]
-        return {**status, "conditions": conditions}
+    return result
 
-    return strip(new) != strip(old)
+
+def status_changed(new: dict[str, Any], old: dict[str, Any], *, with_load: bool = True) -> bool:
+    """Whether writing `new` would change what `old` says (transition times aside; load figures
+    aside too unless `with_load`)."""
+    return _comparable(new, with_load) != _comparable(old, with_load)

@@ -122,9 +122,9 @@ class ControlLoop:
         self._unsupported_logged = False
         self._started_at = time.monotonic()
         self._replacing = 0
+        """Instances stopped as failed whose successor has not been started yet."""
         self._failures_in_row = 0
         self._replace_not_before = -float("inf")
-        """Instances stopped as failed whose successor has not been started yet."""
         self.migration_outcomes: dict[str, int] = {}
         self.scale_ups = self.drains = self.releases = self.replacements = 0
         self.last_decision: ScalingDecision | None = None

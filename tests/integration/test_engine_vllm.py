@@ -254,8 +254,9 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     assert num_tokens == finals[0] == len(token_ids) - 1  # the newest sampled token has no KV yet
     blocks = math.ceil(num_tokens / BLOCK_SIZE)
     raw = torch.frombuffer(staged.blocks(0, blocks), dtype=torch.uint8)
-    # Block-major on the wire: [blocks, layers, kv_heads, block_tokens, content].
-    buffer = raw.view(torch.float32).reshape(blocks, 2, 2, BLOCK_SIZE, 64)
+    # Block-major on the wire: [blocks, layers, kernel blocks per block (1 here), kv_heads, block_tokens,
+    # content].
+    buffer = raw.view(torch.float32).reshape(blocks, 2, 1, 2, BLOCK_SIZE, 64)
 
     # The engine's K and V equal a reference forward pass over the same tokens.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -263,7 +264,7 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
         cache = model(torch.tensor([token_ids[:num_tokens]]), use_cache=True).past_key_values
     for layer in range(2):
         # CPU page of one head: K transposed [head_dim, block_tokens], then V [block_tokens, head_dim].
-        pages = buffer[:, layer].reshape(blocks, 2, 2, 32 * BLOCK_SIZE)
+        pages = buffer[:, layer, 0].reshape(blocks, 2, 2, 32 * BLOCK_SIZE)
         keys = pages[:, :, 0].reshape(blocks, 2, 32, BLOCK_SIZE).permute(1, 0, 3, 2).reshape(2, -1, 32)
         values = pages[:, :, 1].reshape(blocks, 2, BLOCK_SIZE, 32).permute(1, 0, 2, 3).reshape(2, -1, 32)
         reference = cache.layers[layer]

@@ -148,6 +148,12 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
             wait_for(lambda: ready() == 3 and len(engine_pods()) == 3, 120, "the killed pod replaced")
 
             done_before = load.ok
+
+            def all_busy() -> bool:
+                summaries = status().get("instanceSummaries") or []
+                return len(summaries) == 3 and all(i.get("running", 0) >= 1 for i in summaries)
+
+            wait_for(all_busy, 60, "requests running on every instance")  # so the drains must migrate
             custom.patch_namespaced_custom_object_scale(
                 G, V, NS, P, "sim", {"spec": {"replicas": 1}}, _content_type=MERGE
             )
@@ -160,7 +166,7 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
     assert runner.exception is None, runner.output
     # Requests on the killed pod are resumed elsewhere by the router; drained pods migrate theirs out.
     assert load.failures == [], load.failures[:5]
-    # Six clients keep every instance busy, so the two drained ones had requests to migrate out.
+    # Every instance was busy at the scale-down, so the two drained ones had requests to migrate out.
     migrations = status()["migrations"]
     assert migrations["completed"] >= 1, migrations
     print(f"\n[cluster] {load.ok} requests ok, migrations {migrations}")

@@ -52,3 +52,8 @@ def test_router_flag_selects_the_dns_source() -> None:
     assert isinstance(source, DnsInstanceSource) and source.port == 50051
     with pytest.raises(SystemExit):
         parser.parse_args(["--instances", "a:1", "--instances-dns", "svc:1"])
+
+
+async def test_resolves_a_real_name() -> None:
+    addresses = await DnsInstanceSource("localhost", 50051).resolve()
+    assert addresses is not None and "127.0.0.1:50051" in addresses

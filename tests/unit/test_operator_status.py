@@ -156,3 +156,14 @@ def test_a_restarted_loop_keeps_counts_and_the_last_decision() -> None:
         == before["lastScaling"]
         == {"time": "2027-01-15T07:59:55Z", "action": "drain", "instance": "b", "reason": "too free"}
     )
+
+
+def test_load_figures_alone_are_not_a_state_change() -> None:
+    before = build(ServiceStatus("llama", 1, (instance("a", running=1),), aggregate_freeness=20.0))
+    busier = build(
+        ServiceStatus("llama", 1, (instance("a", freeness=5.0, running=4),), aggregate_freeness=5.0)
+    )
+    assert status_changed(busier, before)
+    assert not status_changed(busier, before, with_load=False)
+    failed = build(ServiceStatus("llama", 1, (instance("a", "failed", None),), aggregate_freeness=None))
+    assert status_changed(failed, before, with_load=False)
