@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llumlet.kv_blocks import KVLayout
+if TYPE_CHECKING:  # kv_blocks imports torch; llumlets and sim engines read records without it
+    from llumlet.kv_blocks import KVLayout
 
 HANDSHAKE_SCHEMA_VERSION = 1
 HANDSHAKE_PATH_ENV = "LLUMNIX_HANDSHAKE_PATH"

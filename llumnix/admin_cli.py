@@ -20,16 +20,27 @@ import aiohttp
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8090"
 
 
+def _common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    parser.add_argument("--url", default=argparse.SUPPRESS if suppress else DEFAULT_ADMIN_URL,
+                        help=f"admin API base URL (default: {DEFAULT_ADMIN_URL})")
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+                        help="print the API's JSON answer as is")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=DEFAULT_ADMIN_URL, help="admin API base URL (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the API's JSON answer as is")
+    _common_options(parser, suppress=False)
+    # The same options after the action (`llumnix admin status --url ...`); SUPPRESS keeps a value
+    # given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    _common_options(common, suppress=True)
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    sub.add_parser("status", help="instances, loads and counters")
+    sub.add_parser("status", help="instances, loads and counters", parents=[common])
     for action, help_text in (("drain", "migrate an instance's requests out, then release it"),
                               ("undrain", "cancel a drain")):
-        sp = sub.add_parser(action, help=help_text)
+        sp = sub.add_parser(action, help=help_text, parents=[common])
         sp.add_argument("instance_id")
-    migrate = sub.add_parser("migrate", help="move one running request to another instance now")
+    migrate = sub.add_parser("migrate", help="move one running request to another instance now",
+                             parents=[common])
     migrate.add_argument("--source", required=True, help="instance the request runs on")
     migrate.add_argument("--destination", required=True, help="instance to move it to")
     migrate.add_argument("--request-id", help="the request (default: the source llumlet's choice)")

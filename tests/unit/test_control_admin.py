@@ -104,3 +104,12 @@ def test_the_examples_cover_local_cpu_sim_autoscaling_and_gpu() -> None:
     assert runtimes["local-sim.yaml"]["instances"]["min"] == 16
     assert runtimes["autoscale-sim.yaml"]["autoscaling"]["enabled"]
     assert runtimes["gpu-cluster.yaml"]["engine"]["resources"]["gpus"] == 1
+
+
+def test_options_may_come_before_or_after_the_action() -> None:
+    parser = argparse.ArgumentParser()
+    admin_cli.add_arguments(parser)
+    assert parser.parse_args(["status", "--url", "http://a:1"]).url == "http://a:1"
+    assert parser.parse_args(["--url", "http://b:2", "drain", "x"]).url == "http://b:2"
+    assert parser.parse_args(["status"]).url == admin_cli.DEFAULT_ADMIN_URL
+    assert parser.parse_args(["--json", "status"]).json is True
