@@ -131,6 +131,23 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
     return result, started, ended
 
 
+async def _migrate_beside_other(source: Node, destination: Node, length: int, seed: int, vocab: int,
+                                other_tokens: int) -> tuple[mpb.MigrateOutResponse, tuple[float, float]]:
+    """One migration while another request decodes on the source (the same load for every mode);
+    also that request's mean step time in the second before and during the migration."""
+    ticker = Ticker()
+    other_id = f"other-{length}-{seed}"
+    other_body = _body(_prompt(seed + 9, 64, vocab), other_tokens)
+    other = asyncio.create_task(ticker.run(source, other_id, other_body))
+    await asyncio.sleep(1.0)
+    try:
+        result, started, ended = await _migrate_once(source, destination, length, seed, vocab)
+    finally:
+        await source.api.Abort(pb.AbortRequest(request_id=other_id))
+        await asyncio.gather(other, return_exceptions=True)
+    return result, (ticker.mean_gap_ms(started - 1.0, started), ticker.mean_gap_ms(started, ended))
+
+
 async def _recompute_ms(session: aiohttp.ClientSession, node: Node, length: int, seed: int,
                         vocab: int) -> float:
     """Time to the first token of a fresh prompt of `length` tokens (no KV, no prefix cache)."""
@@ -163,22 +180,17 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Tiny
         async with aiohttp.ClientSession() as session:
             for length in lengths:
                 for seed in range(args.repeats):
-                    ticker = Ticker()
-                    other_body = _body(_prompt(seed + 9, 64, recipe.vocab_size), other_tokens)
-                    other = asyncio.create_task(ticker.run(a, f"other-{length}-{seed}", other_body))
-                    await asyncio.sleep(1.0)
-                    result, started, ended = await _migrate_once(a, b, length, seed, recipe.vocab_size)
-                    before = ticker.mean_gap_ms(started - 1.0, started)
-                    slowdown[length].append((before, ticker.mean_gap_ms(started, ended)))
-                    await a.api.Abort(pb.AbortRequest(request_id=f"other-{length}-{seed}"))
-                    await asyncio.gather(other, return_exceptions=True)
+                    result, gaps = await _migrate_beside_other(a, b, length, seed, recipe.vocab_size,
+                                                               other_tokens)
                     live[length].append(result)
+                    slowdown[length].append(gaps)
                     recompute[length].append(await _recompute_ms(session, b, length, seed, recipe.vocab_size))
                     progress.update()
             await a.restart_llumlet("--migration-max-stages", "0")
             for length in lengths:
                 for seed in range(args.repeats):
-                    result, _, _ = await _migrate_once(a, b, length, seed + 100, recipe.vocab_size)
+                    result, _ = await _migrate_beside_other(a, b, length, seed + 100, recipe.vocab_size,
+                                                            other_tokens)
                     blocking[length].append(result.downtime_ms)
                     progress.update()
         progress.close()
