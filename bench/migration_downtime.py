@@ -45,6 +45,9 @@ from llumnix.v1 import migration_pb2 as mpb
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"tiny": "test", "7b-like": "7b-like"}
 DECODE_BEFORE_MOVE = 16
+MAX_ATTEMPTS = 3
+"""A migration that does not commit (e.g. a destination engine too slow to answer its health checks
+on a loaded machine) is measured again with a fresh request."""
 LLAMA7B_FLOP_PER_TOKEN = 14e9
 LLAMA7B_KV_BYTES_PER_TOKEN = 512 * 1024
 
@@ -123,11 +126,13 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
                 destination_address=destination.pair.grpc_address, request_id=request_id), timeout=600)
             ended = time.perf_counter()
     assert result is not None
-    if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
-        raise RuntimeError(f"migration of {length} tokens: {mpb.MigrationOutcome.Name(result.outcome)} "
-                           f"({result.reason})")
-    async for _ in destination.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True)):
-        pass
+    if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
+        try:
+            async for _ in destination.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True)):
+                pass
+        except grpc.aio.AioRpcError as exc:  # the destination failed the request after its first token
+            tqdm.write(f"{length} tokens: the moved request failed at the destination ({exc.details()})")
+            result.outcome = mpb.MIGRATION_OUTCOME_ABORTED
     return result, started, ended
 
 
@@ -141,7 +146,15 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
     other = asyncio.create_task(ticker.run(source, other_id, other_body))
     await asyncio.sleep(1.0)
     try:
-        result, started, ended = await _migrate_once(source, destination, length, seed, vocab)
+        for attempt in range(MAX_ATTEMPTS):
+            result, started, ended = await _migrate_once(source, destination, length, seed + 1000 * attempt,
+                                                         vocab)
+            if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
+                break
+            tqdm.write(f"{length} tokens: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason}); "
+                       "measuring again")
+        else:
+            raise RuntimeError(f"no migration of {length} tokens committed in {MAX_ATTEMPTS} attempts")
     finally:
         await source.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(other, return_exceptions=True)
@@ -270,9 +283,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures")
+    parser.add_argument("--work-dir", type=Path, help="keep the engines' and llumlets' logs here "
+                        "(default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="llumnix-migration-bench-") as tmp:
-        rows, recipe = asyncio.run(measure(args, Path(tmp)))
+    if args.work_dir is not None:
+        rows, recipe = asyncio.run(measure(args, args.work_dir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="llumnix-migration-bench-") as tmp:
+            rows, recipe = asyncio.run(measure(args, Path(tmp)))
     text = report(rows, recipe, args.model)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

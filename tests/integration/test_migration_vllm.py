@@ -41,7 +41,9 @@ pytestmark = [
 MODEL = "tiny"
 B_MAX_MODEL_LEN = 256
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
-LLUMLET_ARGS = ("--max-concurrent-migrations", "4")
+# A CPU engine stepping 30 requests can take longer than the default health-check timeout (0.5 s);
+# two missed checks would fail every request in flight.
+LLUMLET_ARGS = ("--max-concurrent-migrations", "4", "--engine-check-interval", "2")
 
 
 @dataclasses.dataclass
@@ -229,7 +231,8 @@ async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes
     while len(run.tokens) < 10:
         await asyncio.sleep(0.005)
     migration = asyncio.create_task(_migrate(a, b, "kill"))
-    await asyncio.sleep(0.3)
+    while not (await b.api.GetLoad(pb.GetLoadRequest())).migrating_in:  # accepted: stages begin
+        await asyncio.sleep(0.001)
     b.pair.kill_engine()
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result
