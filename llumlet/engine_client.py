@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,14 @@ _KEEPALIVE_S = 2.0
 server is closing resets the request."""
 _READ_BUFFER_BYTES = 4 << 20
 """Stream lines can be long (the first chunk carries every prompt token id)."""
+
+
+class EngineHealth(enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    """Refused the connection or answered /health with an error."""
+    SLOW = "slow"
+    """No answer within the timeout: a busy CPU engine looks like this, and so does a hung one."""
 
 
 class EngineError(Exception):
@@ -88,13 +97,15 @@ class EngineClient:
             response.release()
         raise EngineUnavailableError("engine closed the stream before it finished")
 
-    async def healthy(self, timeout_s: float) -> bool:
+    async def health(self, timeout_s: float) -> EngineHealth:
         try:
             async with self.session.get(self.base_url + "/health",
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
+                return EngineHealth.HEALTHY if response.status == 200 else EngineHealth.UNHEALTHY
+        except TimeoutError:
+            return EngineHealth.SLOW
+        except (aiohttp.ClientError, OSError):
+            return EngineHealth.UNHEALTHY
 
     async def get(self, path: str, timeout_s: float = 10.0) -> tuple[int, bytes, str]:
         """Status, body and content type of a GET (for pass-through endpoints and /metrics)."""

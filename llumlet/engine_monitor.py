@@ -7,7 +7,7 @@ import logging
 import time
 
 from llumlet.admission import Admission
-from llumlet.engine_client import EngineUnavailableError
+from llumlet.engine_client import EngineHealth, EngineUnavailableError
 from llumlet.engine_metrics import MetricsFormatError, parse_engine_metrics
 from llumlet.load_tracker import LoadTracker
 from llumlet.snapshots import SnapshotSubscriber
@@ -28,16 +28,25 @@ async def read_snapshots(subscriber: SnapshotSubscriber, tracker: LoadTracker) -
 
 
 async def watch_engine(admission: Admission, tracker: LoadTracker, interval_s: float = 0.5,
-                       failures_to_unhealthy: int = 2) -> None:
+                       failures_to_unhealthy: int = 2, slow_grace_s: float = 15.0) -> None:
     """Polls the engine's /health (and /metrics while snapshots lag). After `failures_to_unhealthy`
-    failed health checks in a row the engine is marked down: new requests are refused and in-flight
-    ones fail, so a dead engine shows within about interval_s * failures_to_unhealthy (+ the check's
-    timeout)."""
+    failed health checks in a row (connection refused, error status) the engine is marked down: new
+    requests are refused and in-flight ones fail, so a dead engine shows within about
+    interval_s * failures_to_unhealthy. Checks that merely time out count only once they have lasted
+    `slow_grace_s`: a CPU engine busy with a long prefill answers late, and failing its in-flight
+    requests then would turn load into errors."""
     failures = 0
+    slow_since: float | None = None
     while True:
         started = time.monotonic()
-        healthy = await admission.engine.healthy(timeout_s=max(0.5, interval_s))
-        failures = 0 if healthy else failures + 1
+        health = await admission.engine.health(timeout_s=max(1.0, interval_s))
+        healthy = health is EngineHealth.HEALTHY
+        if health is EngineHealth.SLOW:
+            slow_since = started if slow_since is None else slow_since
+            failures = failures + 1 if started - slow_since >= slow_grace_s else failures
+        else:
+            slow_since = None
+            failures = 0 if healthy else failures + 1
         if healthy and not admission.engine_healthy:
             logger.info("engine is healthy")
             admission.engine_healthy = True
@@ -45,7 +54,7 @@ async def watch_engine(admission: Admission, tracker: LoadTracker, interval_s: f
             admission.engine_healthy = False
             failed = admission.fail_all(503, "the engine serving this request stopped responding",
                                         "EngineUnavailable")
-            logger.error("engine is not healthy", extra={"failed_requests": failed})
+            logger.error("engine is not healthy", extra={"failed_requests": failed, "check": health.value})
         # /metrics is the fallback source: read it only once snapshots lag (rendering it costs the
         # engine's API server a few milliseconds each time).
         if healthy and tracker.snapshot_health().age_s > tracker.snapshot_timeout_s / 2:
