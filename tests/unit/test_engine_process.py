@@ -18,7 +18,7 @@ def test_cpu_command_and_environment():
                                 snapshot_addr="ipc:///tmp/e.sock", engine_id="e0",
                                 extra_args=("--max-num-batched-tokens", "512"), extra_env={"A": "b"})
     argv, env = build_command(config)
-    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == [sys.executable, "-m", "llumlet.vllm_server"]
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--port") == "8101"
     assert flag(argv, "--block-size") == "64" and flag(argv, "--max-model-len") == "256"
     assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--served-model-name") == "tiny"

@@ -45,7 +45,7 @@ def test_vllm_engine_pod_runs_vllm_with_the_connector_and_the_llumlet_sidecar() 
     engine, llumlet = containers(pod)["engine"], containers(pod)["llumlet"]
     assert engine["image"] == "reg/llumnix-vllm:1" and llumlet["image"] == "reg/llumnix:1"
     argv = engine["command"] + engine["args"]
-    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == ["python", "-m", "llumlet.vllm_server"]
     assert argv[argv.index("--model") + 1] == "/model"
     assert argv[argv.index("--served-model-name") + 1] == "llama-7b"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
