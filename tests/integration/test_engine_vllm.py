@@ -11,7 +11,6 @@ import importlib.util
 import json
 import math
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import pytest_asyncio
 from llumlet.engine_channel import EngineCommandClient, control_address
 from llumlet.engine_process import EngineLaunchConfig, EngineProcess
 from llumlet.handshake import read_handshake
+from llumlet.pair import free_port
 from llumlet.snapshots import SnapshotSubscriber
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
@@ -38,12 +38,6 @@ pytestmark = [
 
 BLOCK_SIZE = 32
 MAX_NUM_SEQS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

@@ -10,7 +10,6 @@ import asyncio
 import importlib.util
 import itertools
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from llumlet.engine_channel import (
 )
 from llumlet.engine_process import EngineLaunchConfig, EngineProcess
 from llumlet.handshake import incompatibilities, read_handshake
+from llumlet.pair import free_port
 from llumlet.snapshots import SnapshotSubscriber
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOAD_FAILED,
@@ -55,12 +55,6 @@ pytestmark = [
 BLOCK_SIZE = 32
 PROMPT = [(17 * i + 5) % 250 + 3 for i in range(40)]  # 40 token ids: two blocks, the second partial
 MAX_TOKENS = 64
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
