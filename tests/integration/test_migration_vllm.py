@@ -223,7 +223,7 @@ async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
 async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     await a.restart_llumlet(*STAGING_FOREVER)
-    body = _body(9, 40, 200)
+    body = _body(9, 40, 800)  # long enough that it cannot finish before the failed stage is noticed
     expected = await _generate(a, "kref", body)
     run = Run()
     reader = asyncio.create_task(run.read(a.api.Generate(pb.GenerateRequest(
