@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,29 +154,42 @@ def engine_pid(service: Service, instance_id: str) -> int:
     raise AssertionError(f"no vLLM engine process for {instance_id}")
 
 
+async def stream_acting_midway(service: Service, act: Callable[[Any], Awaitable[None]]) -> tuple[str, int]:
+    """Streams the test request; calls `act(chunk)` once, at chunk MOVE_AFTER_CHUNKS. Text and tokens."""
+    text, tokens, chunks = "", 0, 0
+    async for chunk in await stream_request(service):
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        text += chunk.choices[0].text
+        chunks += 1
+        if chunks == MOVE_AFTER_CHUNKS:
+            await act(chunk)
+    return text, tokens
+
+
 async def test_a_stream_migrated_mid_stream_through_the_admin_api_keeps_its_exact_text(
         service: Service, reference: str) -> None:
     async with aiohttp.ClientSession() as session:
         followed_before = await router_counter(session, service, MOVES_FOLLOWED)
-        text, tokens, chunks, answer = "", 0, 0, None
-        async for chunk in await stream_request(service):
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            text += chunk.choices[0].text
-            chunks += 1
-            if answer is None and chunks == MOVE_AFTER_CHUNKS:
-                source = await serving_instance(session, service)
-                destination = next(i["instance_id"] for i in await instances(session, service)
-                                   if i["instance_id"] != source)
-                # the router's request id is the response id's suffix (cmpl-<hex> <- router-<hex>)
-                request_id = "router-" + chunk.id.removeprefix("cmpl-")
-                async with session.post(service.admin_url + "/migrate", json={
-                        "source": source, "destination": destination, "request_id": request_id}) as response:
-                    answer = await response.json()
-                    assert response.status == 200, answer
-        assert answer is not None and answer["outcome"] == "committed", answer
+        answer: dict[str, Any] = {}
+
+        async def migrate(chunk: Any) -> None:
+            source = await serving_instance(session, service)
+            destination = next(i["instance_id"] for i in await instances(session, service)
+                               if i["instance_id"] != source)
+            # the router's request id is the response id's suffix (cmpl-<hex> <- router-<hex>)
+            answer["request_id"] = "router-" + chunk.id.removeprefix("cmpl-")
+            async with session.post(service.admin_url + "/migrate", json={
+                    "source": source, "destination": destination,
+                    "request_id": answer["request_id"]}) as response:
+                answer.update(response=await response.json(), status=response.status)
+
+        text, tokens = await stream_acting_midway(service, migrate)
+        assert answer.get("status") == 200, answer
+        request_id, answer = answer["request_id"], answer["response"]
+        assert answer["outcome"] == "committed", answer
         assert answer["request_id"] == request_id and answer["migrated_tokens"] > 0
         assert text == reference and tokens == MAX_TOKENS
         assert await router_counter(session, service, MOVES_FOLLOWED) == followed_before + 1
@@ -203,17 +216,14 @@ async def test_an_engine_killed_mid_stream_is_replayed_to_the_same_text_and_a_re
     async with aiohttp.ClientSession() as session:
         before = {i["instance_id"] for i in await instances(session, service)}
         replays_before = await router_counter(session, service, REPLAYS)
-        text, tokens, chunks, killed = "", 0, 0, None
-        async for chunk in await stream_request(service):
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            text += chunk.choices[0].text
-            chunks += 1
-            if killed is None and chunks == MOVE_AFTER_CHUNKS:
-                killed = await serving_instance(session, service)
-                os.killpg(engine_pid(service, killed), signal.SIGKILL)
+        killed_ids: list[str] = []
+
+        async def kill(chunk: Any) -> None:
+            killed_ids.append(await serving_instance(session, service))
+            os.killpg(engine_pid(service, killed_ids[0]), signal.SIGKILL)
+
+        text, tokens = await stream_acting_midway(service, kill)
+        killed = killed_ids[0] if killed_ids else None
         assert killed is not None
         assert text == reference and tokens == MAX_TOKENS
         assert await router_counter(session, service, REPLAYS) == replays_before + 1
