@@ -10,7 +10,7 @@ of decode steps the instance can still run with its current batch before it runs
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 DEFAULT_HIGH_PRIORITY_TARGET_TOKENS = 1600
@@ -195,6 +195,19 @@ def aggregate_freeness(
         usage += high_priority_headroom(load, config)
         batch += len(load.running) + len(load.waiting)
     return (capacity - usage) / max(1, batch)
+
+
+def without_requests(load: InstanceLoad, request_ids: Collection[str]) -> InstanceLoad:
+    """The snapshot with requests that ended since it was taken taken out; their blocks are free
+    again. The router learns that a request ended (its stream closed) before the next snapshot says
+    so; a queue held in the router would otherwise wait one snapshot for every freed slot."""
+    if not request_ids:
+        return load
+    running = tuple(r for r in load.running if r.request_id not in request_ids)
+    freed = sum(r.blocks for r in load.running if r.request_id in request_ids)
+    waiting = tuple(r for r in load.waiting if r.request_id not in request_ids)
+    return replace(load, running=running, waiting=waiting,
+                   free_blocks=min(load.total_blocks, load.free_blocks + freed))
 
 
 def with_pending(load: InstanceLoad, pending: Sequence[RequestLoad]) -> InstanceLoad:

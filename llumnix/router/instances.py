@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from llumnix.llumlet_client import LlumletConnection
-from llumnix.load import InstanceLoad, RequestLoad, with_pending
+from llumnix.load import InstanceLoad, RequestLoad, with_pending, without_requests
 from llumnix.router.instance_source import InstanceSource
 from llumnix.wire import LoadReport
 
@@ -33,6 +33,8 @@ class Instance(LlumletConnection):
         self.pending: dict[str, RequestLoad] = {}
         """Dispatched here and not yet listed in the instance's load."""
         self.in_flight: set[str] = set()
+        self.ended: set[str] = set()
+        """Released here and still listed in the instance's load (its next load will drop them)."""
         self.unavailable_until = -float("inf")
         self._effective: InstanceLoad | None = None
         """`effective_load()` until the load or the pending requests change (dispatch reads it for
@@ -49,14 +51,16 @@ class Instance(LlumletConnection):
         self.unavailable_until = -float("inf")
 
     def effective_load(self) -> InstanceLoad:
-        """The latest load plus the requests dispatched here that it does not list yet."""
+        """The latest load plus the requests dispatched here that it does not list yet, minus the
+        requests that ended here since."""
         assert self.report is not None
         if self._effective is None:
-            self._effective = with_pending(self.report.load, tuple(self.pending.values()))
+            current = without_requests(self.report.load, self.ended)
+            self._effective = with_pending(current, tuple(self.pending.values()))
         return self._effective
 
     def is_idle(self) -> bool:
-        return self.report is not None and self.report.load.num_requests == 0 and not self.in_flight
+        return self.report is not None and self.effective_load().num_requests == 0 and not self.in_flight
 
     def reserve(self, request: RequestLoad) -> None:
         self.pending[request.request_id] = request
@@ -64,17 +68,25 @@ class Instance(LlumletConnection):
         self._effective = None
 
     def release(self, request_id: str) -> None:
-        if self.pending.pop(request_id, None) is not None:
-            self._effective = None
+        """The request left this instance (finished, moved, failed or cancelled)."""
+        if self.pending.pop(request_id, None) is None and self.report is not None and \
+                request_id in _listed(self.report.load):
+            self.ended.add(request_id)
+        self._effective = None
         self.in_flight.discard(request_id)
         self._on_change()
 
     def _observed(self, report: LoadReport) -> None:
         self._effective = None
-        if self.pending:
-            listed = {r.request_id for r in report.load.running} | {r.request_id for r in report.load.waiting}
+        if self.pending or self.ended:
+            listed = _listed(report.load)
             for request_id in listed.intersection(self.pending):
                 del self.pending[request_id]
+            self.ended &= listed
+
+
+def _listed(load: InstanceLoad) -> set[str]:
+    return {r.request_id for r in load.running} | {r.request_id for r in load.waiting}
 
 
 class InstanceSet:

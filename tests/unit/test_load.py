@@ -18,6 +18,7 @@ from llumnix.load import (
     memory_load,
     virtual_usage,
     with_pending,
+    without_requests,
 )
 
 
@@ -142,6 +143,16 @@ def test_with_pending_appends_to_queue() -> None:
     # Pending requests behind the head of line change batch size but not head-of-line demand.
     assert head_of_line_demand(pending) == 1
     assert freeness(with_pending(inst(), [req("p", 160)])) == pytest.approx((100 - 10) / 1)
+
+
+def test_without_requests_frees_the_blocks_of_ended_requests() -> None:
+    load = inst(free=40, running=[req("r1", 300, blocks=20), req("r2", 310, blocks=40)],
+                waiting=[req("w1", 16), req("w2", 32)])
+    current = without_requests(load, {"r2", "w1", "unknown"})
+    assert [r.request_id for r in current.running] == ["r1"]
+    assert [r.request_id for r in current.waiting] == ["w2"]
+    assert current.free_blocks == 80 and current.used_blocks == 20
+    assert without_requests(load, set()) is load
 
 
 def test_dispatch_freeness_counts_the_whole_queue_and_the_new_request() -> None:

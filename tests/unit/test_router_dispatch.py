@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 import pytest
 
@@ -23,8 +24,8 @@ def report(instance_id: str, free_blocks: int = 100, running: tuple[RequestLoad,
     return LoadReport(load, 0.0, 0.0, 0.0, LoadSource.CONNECTOR, sequence)
 
 
-def cluster(*reports: LoadReport) -> InstanceSet:
-    instances = InstanceSet()
+def cluster(*reports: LoadReport, on_change: Callable[[], None] = lambda: None) -> InstanceSet:
+    instances = InstanceSet(on_change=on_change)
     for r in reports:
         instance = instances.add(f"127.0.0.1:{len(instances) + 1}", watch=False)
         instance.observe(r)
@@ -68,6 +69,24 @@ async def test_busy_instances_hold_the_request_unless_one_is_idle() -> None:
     too_big = request(2, tokens=5000)
     chosen = dispatcher.dispatch(too_big)
     assert chosen is not None and chosen.instance_id == "b"
+
+
+async def test_a_held_request_goes_where_a_request_ended_before_the_next_load_shows_it() -> None:
+    running = (RequestLoad("x", 800, blocks=50), RequestLoad("y", 720, blocks=45))
+    queues: list[DispatchQueue] = []
+    instances = cluster(report("a", free_blocks=5, running=running), on_change=lambda: [q.wake() for q in queues])
+    a = instances.all()[0]
+    a.in_flight.update({"x", "y"})
+    queues.append(DispatchQueue(Dispatcher(make_dispatch_policy("llumnix"), instances), 4, timeout_s=5.0))
+    held = asyncio.create_task(queues[0].acquire(request(1, tokens=480), high_priority=False))
+    await asyncio.sleep(0.01)
+    assert not held.done()
+    a.release("x")  # its stream ended: 50 blocks are free, the load still lists it
+    assert await asyncio.wait_for(held, 1.0) is a
+    assert [r.request_id for r in a.effective_load().running] == ["y"]
+    # The next load no longer lists "x": nothing is subtracted twice.
+    a.observe(report("a", free_blocks=55, running=running[1:], waiting=(request(1, tokens=480),), sequence=2))
+    assert not a.ended and a.effective_load().free_blocks == 55
 
 
 async def test_stale_and_unavailable_instances_are_skipped() -> None:
