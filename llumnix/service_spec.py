@@ -281,6 +281,13 @@ class ServiceSettings:
         )
 
     @property
+    def llumlet_args(self) -> list[str]:
+        """The llumlet flags this spec sets, the same on a cluster and in local mode."""
+        return ["--high-priority-target-tokens", str(self.spec["priorities"]["targetLoadTokens"]),
+                "--migration-select", self.spec["migration"]["select"],
+                "--max-concurrent-migrations", str(self.spec["migration"]["maxConcurrentPerInstance"])]
+
+    @property
     def autoscaling(self) -> AutoscalingConfig:
         a, instances = self.spec["autoscaling"], self.spec["instances"]
         return AutoscalingConfig(

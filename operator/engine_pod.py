@@ -186,12 +186,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
             str(LLUMLET_GRPC_PORT),
             "--shutdown-grace",
             "20",
-            "--high-priority-target-tokens",
-            str(spec["priorities"]["targetLoadTokens"]),
-            "--migration-select",
-            spec["migration"]["select"],
-            "--max-concurrent-migrations",
-            str(spec["migration"]["maxConcurrentPerInstance"]),
+            *settings.llumlet_args,
         ],
         "env": [
             POD_IP_VAR,

@@ -59,7 +59,7 @@ def pair_config(settings: ServiceSettings, instance_id: str, work_dir: Path, mod
     runtime = engine["runtime"]
     common = {"instance_id": instance_id, "work_dir": work_dir, "served_model_name": spec["model"]["name"],
               "block_size": engine["blockSize"], "engine_args": tuple(engine["args"]),
-              "shutdown_grace_s": LOCAL_SHUTDOWN_GRACE_S,
+              "llumlet_args": tuple(settings.llumlet_args), "shutdown_grace_s": LOCAL_SHUTDOWN_GRACE_S,
               # the manifest's start-up grace is how long a start may take, here as on a cluster
               "engine_start_timeout_s": spec["autoscaling"]["startupGraceSeconds"]}
     if runtime == "sim":

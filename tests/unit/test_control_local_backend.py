@@ -18,6 +18,15 @@ def test_a_sim_service_runs_sim_engines_with_its_args(tmp_path: Path) -> None:
     assert config.engine_args == ("--num-blocks", "64", "--max-model-len=900")
 
 
+def test_llumlets_get_the_specs_migration_and_priority_settings(tmp_path: Path) -> None:
+    service = settings(engine={"runtime": "sim"}, priorities={"targetLoadTokens": 800},
+                       migration={"select": "longest", "maxConcurrentPerInstance": 2})
+    args = pair_config(service, "svc-0", tmp_path, None).llumlet_args
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags == {"--high-priority-target-tokens": "800", "--migration-select": "longest",
+                     "--max-concurrent-migrations": "2"}
+
+
 def test_cpu_vllm_needs_a_model_and_a_block_size_multiple_of_32(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"model\.path"):
         pair_config(settings(engine={"runtime": "vllm", "blockSize": 32}), "a", tmp_path, None)
