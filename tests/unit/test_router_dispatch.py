@@ -74,7 +74,8 @@ async def test_busy_instances_hold_the_request_unless_one_is_idle() -> None:
 async def test_a_held_request_goes_where_a_request_ended_before_the_next_load_shows_it() -> None:
     running = (RequestLoad("x", 800, blocks=50), RequestLoad("y", 720, blocks=45))
     queues: list[DispatchQueue] = []
-    instances = cluster(report("a", free_blocks=5, running=running), on_change=lambda: [q.wake() for q in queues])
+    instances = cluster(report("a", free_blocks=5, running=running),
+                        on_change=lambda: [q.wake() for q in queues])
     a = instances.all()[0]
     a.in_flight.update({"x", "y"})
     queues.append(DispatchQueue(Dispatcher(make_dispatch_policy("llumnix"), instances), 4, timeout_s=5.0))
