@@ -8,7 +8,10 @@ llumlet's MigrateOut:
   in the final stage, while the request is stopped);
 - recompute: the destination prefilling prompt + generated tokens without KV (a fresh prompt,
   prefix caching off), i.e. the downtime of migrating by resubmission;
-and the decode-step slowdown of another request on the source while the migration runs.
+and the decode-step slowdown of another request on the source while the migration runs, and the moved
+request's decode step at the destination afterwards (the normal inter-token time at that length: its
+first step there is part of the downtime). One unmeasured migration and prefill first warm the engines
+up (their first migrated-in request and first prefill pay one-off initialisation).
 
 Writes a Markdown table and JSON next to a PNG (docs/figures/migration_downtime_<model>.png), and
 prints the model's compute per KV byte beside LLaMA-7B's (~14 GFLOP prefill per token vs 512 KiB of
@@ -45,7 +48,10 @@ from llumnix.v1 import migration_pb2 as mpb
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"tiny": "test", "7b-like": "7b-like"}
 DECODE_BEFORE_MOVE = 16
+DECODE_AFTER_MOVE = 64
+"""Enough tokens at the destination that most arrive one step apart after the caller attached."""
 MAX_ATTEMPTS = 3
+WARMUP_SEED = 7777
 """A migration that does not commit (e.g. a destination engine too slow to answer its health checks
 on a loaded machine) is measured again with a fresh request."""
 LLAMA7B_FLOP_PER_TOKEN = 14e9
@@ -62,6 +68,9 @@ class Row:
     recompute_ms: float
     source_step_ms_before: float
     source_step_ms_during: float
+    destination_step_ms: float
+    """The moved request's decode step at the destination after its first token there (the normal
+    inter-token time at that length, which its first step after the move also takes)."""
 
 
 class Node:
@@ -93,9 +102,12 @@ class Ticker:
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    async def run(self, node: Node, request_id: str, body: dict[str, Any]) -> None:
-        call = node.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
-                                                    body_json=json.dumps(body)))
+    async def run(self, node: Node, request_id: str, body: dict[str, Any] | None = None,
+                  attach: bool = False) -> None:
+        request = (pb.GenerateRequest(request_id=request_id, attach=True) if attach else
+                   pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
+                                      body_json=json.dumps(body)))
+        call = node.api.Generate(request)
         async for message in call:
             self.times.extend(time.perf_counter() for _ in message.chunk.token_ids)
 
@@ -107,11 +119,11 @@ class Ticker:
 
 
 async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
-                        vocab: int) -> tuple[mpb.MigrateOutResponse, float, float]:
+                        vocab: int) -> tuple[mpb.MigrateOutResponse, float, float, float]:
     """Starts a request of `length - DECODE_BEFORE_MOVE` prompt tokens on the source, moves it after
-    DECODE_BEFORE_MOVE tokens and lets it finish at the destination."""
+    DECODE_BEFORE_MOVE tokens and lets it finish at the destination; also its mean step time there."""
     request_id = f"bench-{length}-{seed}-{time.monotonic_ns()}"
-    body = _body(_prompt(seed, length - DECODE_BEFORE_MOVE, vocab), DECODE_BEFORE_MOVE + 16)
+    body = _body(_prompt(seed, length - DECODE_BEFORE_MOVE, vocab), DECODE_BEFORE_MOVE + DECODE_AFTER_MOVE)
     call = source.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
                                                   body_json=json.dumps(body)))
     tokens = 0
@@ -126,20 +138,25 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
                 destination_address=destination.pair.grpc_address, request_id=request_id), timeout=600)
             ended = time.perf_counter()
     assert result is not None
+    rest = Ticker()
     if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
         try:
-            async for _ in destination.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True)):
-                pass
+            await rest.run(destination, request_id, attach=True)
         except grpc.aio.AioRpcError as exc:  # the destination failed the request after its first token
             tqdm.write(f"{length} tokens: the moved request failed at the destination ({exc.details()})")
             result.outcome = mpb.MIGRATION_OUTCOME_ABORTED
-    return result, started, ended
+    # Over the second half of its tokens there: the tokens buffered before the attach arrive together,
+    # and a fast engine's tokens are often streamed several to a chunk.
+    later = rest.times[len(rest.times) // 2:]
+    return result, started, ended, rest.mean_gap_ms(later[0], later[-1]) if len(later) > 1 else float("nan")
 
 
 async def _migrate_beside_other(source: Node, destination: Node, length: int, seed: int, vocab: int,
-                                other_tokens: int) -> tuple[mpb.MigrateOutResponse, tuple[float, float]]:
+                                other_tokens: int
+                                ) -> tuple[mpb.MigrateOutResponse, tuple[float, float, float]]:
     """One migration while another request decodes on the source (the same load for every mode);
-    also that request's mean step time in the second before and during the migration."""
+    also that request's mean step time in the second before and during the migration, and the moved
+    request's step time at the destination."""
     ticker = Ticker()
     other_id = f"other-{length}-{seed}"
     other_body = _body(_prompt(seed + 9, 64, vocab), other_tokens)
@@ -147,8 +164,8 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
     await asyncio.sleep(1.0)
     try:
         for attempt in range(MAX_ATTEMPTS):
-            result, started, ended = await _migrate_once(source, destination, length, seed + 1000 * attempt,
-                                                         vocab)
+            result, started, ended, destination_step_ms = await _migrate_once(
+                source, destination, length, seed + 1000 * attempt, vocab)
             if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
                 break
             tqdm.write(f"{length} tokens: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason}); "
@@ -158,7 +175,8 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
     finally:
         await source.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(other, return_exceptions=True)
-    return result, (ticker.mean_gap_ms(started - 1.0, started), ticker.mean_gap_ms(started, ended))
+    return result, (ticker.mean_gap_ms(started - 1.0, started), ticker.mean_gap_ms(started, ended),
+                    destination_step_ms)
 
 
 async def _recompute_ms(session: aiohttp.ClientSession, node: Node, length: int, seed: int,
@@ -187,10 +205,14 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Tiny
     live: dict[int, list[mpb.MigrateOutResponse]] = {n: [] for n in lengths}
     blocking: dict[int, list[float]] = {n: [] for n in lengths}
     recompute: dict[int, list[float]] = {n: [] for n in lengths}
-    slowdown: dict[int, list[tuple[float, float]]] = {n: [] for n in lengths}
+    slowdown: dict[int, list[tuple[float, float, float]]] = {n: [] for n in lengths}
     try:
         progress = tqdm(total=len(lengths) * args.repeats * 2, desc="migrations", unit="run")
         async with aiohttp.ClientSession() as session:
+            # Not measured: an engine's first migrated-in request and first prefill pay one-off
+            # initialisation (hundreds of ms on CPU), which would land on whichever length runs first.
+            await _migrate_beside_other(a, b, lengths[0], WARMUP_SEED, recipe.vocab_size, other_tokens)
+            await _recompute_ms(session, b, lengths[0], WARMUP_SEED, recipe.vocab_size)
             for length in lengths:
                 for seed in range(args.repeats):
                     result, gaps = await _migrate_beside_other(a, b, length, seed, recipe.vocab_size,
@@ -220,6 +242,7 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Tiny
         recompute_ms=statistics.median(recompute[n]),
         source_step_ms_before=statistics.median(s[0] for s in slowdown[n]),
         source_step_ms_during=statistics.median(s[1] for s in slowdown[n]),
+        destination_step_ms=statistics.median(s[2] for s in slowdown[n]),
     ) for n in lengths]
     return rows, recipe
 
@@ -244,12 +267,12 @@ def report(rows: list[Row], recipe: TinyModelRecipe, model: str) -> str:
         f"moved, so recompute costs relatively that much more there).",
         "",
         "| tokens | live downtime ms | live total ms | stages | blocking copy downtime ms | recompute ms "
-        "| source step ms (before / during) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| source step ms (before / during) | destination step ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [f"| {r.length} | {r.live_downtime_ms:.1f} | {r.live_total_ms:.1f} | {r.live_stages:.0f} | "
               f"{r.blocking_downtime_ms:.1f} | {r.recompute_ms:.1f} | {r.source_step_ms_before:.1f} / "
-              f"{r.source_step_ms_during:.1f} |" for r in rows]
+              f"{r.source_step_ms_during:.1f} | {r.destination_step_ms:.1f} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -425,14 +425,25 @@ class LlumnixConnector(KVConnectorBase_V1):
     ) -> None:
         return
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # A final stage holds a finished request's blocks, which no forward writes any more: copied out
+        # before this step's forward rather than after it, the forward is not part of the downtime.
+        self._copy_exports(final=True)
+
     def wait_for_save(self) -> None:
+        self._copy_exports(final=False)
+
+    def _copy_exports(self, final: bool) -> None:
         meta = self._worker_meta()
         if meta is None or not meta.exports:
             return
         assert self._copier is not None
         for item in meta.exports:
-            # Copied on the engine thread, right after the forward that wrote the KV, so the blocks
-            # can be reused (or, for the final stage, freed) as soon as this returns.
+            if item.final != final:
+                continue
+            # Copied on the engine thread, a live stage right after the forward that wrote its KV, so
+            # the blocks can be reused (or, for the final stage, freed) as soon as this returns.
             started = time.perf_counter()
             buffer = self._copier.copy_out_block_major(item.block_ids)
             copy_ms = 1e3 * (time.perf_counter() - started)

@@ -55,6 +55,7 @@ class MigratedStream:
     request_id: str
     migration_id: str
     deadline: float
+    """Until when it waits for its caller to attach (from Commit's answer on)."""
     queue: asyncio.Queue[StreamEvent | AdmissionError | None] = field(default_factory=asyncio.Queue)
     attached: bool = False
 
@@ -150,6 +151,8 @@ class Destination:
         started = next((s for s in self.streams.values() if s.migration_id == request.migration_id), None)
         if started is not None:
             self.detach(started)
+            # The interrupted Commit released the reservation; the staging may not have been loaded yet.
+            await self.link.drop_staging(request.migration_id)
         released = await self._release(request.migration_id, f"aborted by the source: {request.reason}")
         return mpb.AbortMigrationResponse(released=released or started is not None)
 
@@ -201,6 +204,8 @@ class Destination:
             self.metrics.migrations.labels("in", "failed").inc()
             return mpb.CommitMigrationResponse(ok=False, reason=reason)
         first_token_ms = (time.monotonic() - started) * 1e3
+        # The caller learns of the move only from this answer: its time to attach starts now.
+        stream.deadline = time.monotonic() + self.settings.lease_s
         self.metrics.migrations.labels("in", "committed").inc()
         logger.info("migration committed", extra={
             "migration_id": request.migration_id, "request_id": proposal.request_id,
@@ -222,8 +227,7 @@ class Destination:
         if zero_kv:
             kv_params["llumlet_zero_kv"] = True
         record.resume = resume_point(record, kv_params)
-        stream = MigratedStream(record.request_id, request.migration_id,
-                                time.monotonic() + self.settings.lease_s)
+        stream = MigratedStream(record.request_id, request.migration_id, deadline=math.inf)
         self.streams[record.request_id] = stream
         return record, stream
 

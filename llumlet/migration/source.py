@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -65,6 +67,10 @@ class _Progress:
     bytes: int = 0
     proposed: bool = False
     downtime_ms: float = 0.0
+    final_stage_ms: float = 0.0
+    """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
+    commit_ms: float = 0.0
+    """Downtime in Commit (the destination's admission, KV load and first step)."""
 
 
 class PeerStubs:
@@ -179,7 +185,9 @@ class Source:
             "migration_id": progress.migration_id, "request_id": record.request_id, "outcome": name,
             "reason": reason, "destination": request.destination_instance_id, "stages": progress.stages,
             "bytes": progress.bytes, "staged_tokens": progress.staged_tokens,
-            "downtime_ms": round(progress.downtime_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
+            "downtime_ms": round(progress.downtime_ms, 2),
+            "final_stage_ms": round(progress.final_stage_ms, 2),
+            "commit_ms": round(progress.commit_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
         return mpb.MigrateOutResponse(
             outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
             stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
@@ -201,7 +209,7 @@ class Source:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_FINISHED_ON_SOURCE,
                                   "the request finished here while it was migrating")
         try:
-            await self._final(progress, request, events, suspension)
+            await self._final(progress, request, events, suspension, stopped_at)
         except MigrationFailed as exc:
             await self._abandon(progress, exc.reason)
             self._resume_here(progress, suspension)
@@ -314,8 +322,12 @@ class Source:
                               f"no KV stage was sent within {self.settings.stage_timeout_s:g} s")
 
     async def _final(self, progress: _Progress, request: mpb.MigrateOutRequest,
-                     events: asyncio.Queue[MigrationEvent], suspension: Suspension) -> None:
+                     events: asyncio.Queue[MigrationEvent], suspension: Suspension,
+                     stopped_at: float) -> None:
         event = await self._stage_sent(progress, events, final=True)
+        sent_at = time.monotonic()
+        progress.final_stage_ms = (sent_at - stopped_at) * 1e3
+        self._test_exit("final-stage")
         progress.stages += 1
         progress.bytes += event.bytes
         record = progress.record
@@ -330,11 +342,18 @@ class Source:
         except grpc.aio.AioRpcError as exc:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the commit failed: {exc.code().name} {exc.details()}") from None
+        progress.commit_ms = (time.monotonic() - sent_at) * 1e3
         if not committed.ok:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the destination failed: {committed.reason}")
+        self._test_exit("commit")
         suspension.decide(MovedTo(request.destination_instance_id, request.destination_address,
                                   record.request_id, progress.migration_id))
+
+    def _test_exit(self, point: str) -> None:
+        if self.settings.test_exit_at == point:
+            logger.warning("test hook: the source llumlet kills itself", extra={"point": point})
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _resume_here(self, progress: _Progress, suspension: Suspension) -> None:
         suspension.decide(resume_point(progress.record))

@@ -1,8 +1,13 @@
 """Live migration through llumlets between two real CPU vLLM engines with the tiny model: greedy
 requests migrated at random points (some twice, A -> B -> A) under background load produce exactly
 their unmigrated tokens; loading zeros instead of the staged KV does not (so the KV is what makes
-them exact); a destination that cannot run the resumed request makes the source resume it by
-recompute; a destination engine that dies mid-stage aborts the migration and the source continues.
+them exact). Every failure path keeps the caller's tokens exact and leaves both instances idle: a
+destination that cannot run the resumed request, or does not answer Commit in time, makes the
+source resume it by recompute; a destination that refuses (full) or is unreachable leaves the
+request on the source; a request that finishes on the source mid-migration ends the migration; a
+source that dies after the final stage (before or after Commit) leaves the router's token replay to
+finish the request, and the destination drops what it holds when its lease runs out; a destination
+engine that dies mid-stage aborts the migration and the source continues.
 
 Engine B runs a shorter context than A (the handshake does not compare context lengths): long
 requests moved to B fail at commit, which is how the recompute path is reached.
@@ -16,16 +21,19 @@ import importlib.util
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
 
 from llumlet.llumlet_process import LlumletProcess
-from llumlet.pair import EnginePair, PairConfig
+from llumlet.pair import EnginePair, PairConfig, free_port
+from llumnix.router.api import ApiSettings
+from llumnix.router.server import Router
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
 from llumnix.v1 import migration_pb2 as mpb
@@ -38,6 +46,7 @@ pytestmark = [
     pytest.mark.timeout(1500),  # the first test also waits for two engines to start
 ]
 
+StartRouter = Callable[..., Awaitable[Router]]
 MODEL = "tiny"
 B_MAX_MODEL_LEN = 256
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
@@ -52,6 +61,7 @@ class Node:
     channel: grpc.aio.Channel
     api: llumlet_pb2_grpc.LlumletStub
     migration: migration_pb2_grpc.LlumletMigrationStub
+    llumlet_args: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, pair: EnginePair) -> Node:
@@ -59,8 +69,12 @@ class Node:
         return cls(pair, channel, llumlet_pb2_grpc.LlumletStub(channel),
                    migration_pb2_grpc.LlumletMigrationStub(channel))
 
-    async def restart_llumlet(self, *args: str) -> None:
-        """The same engine behind a llumlet started with other flags."""
+    async def restart_llumlet(self, *args: str, always: bool = False) -> None:
+        """The same engine behind a llumlet started with other flags (unless it runs with these already
+        and `always` is not set: restarts cost seconds)."""
+        if args == self.llumlet_args and not always:
+            return
+        self.llumlet_args = args
         await self.pair.llumlet.stop()
         self.pair.llumlet = LlumletProcess(dataclasses.replace(self.pair.llumlet.config,
                                                                extra_args=(*LLUMLET_ARGS, *args)))
@@ -132,9 +146,11 @@ async def _migrate(source: Node, destination: Node, request_id: str,
 async def _wait_idle(node: Node, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        load = await node.api.GetLoad(pb.GetLoadRequest())
+        # wait_for_ready: a llumlet restarted after a crash is reached once its channel reconnects.
+        load = await node.api.GetLoad(pb.GetLoadRequest(), wait_for_ready=True, timeout=timeout_s)
+        # Every block free: no delayed-free block of a final stage is left either.
         if not load.running and not load.waiting and not load.reserved_blocks and not load.migrating_in \
-                and not load.migrating_out:
+                and not load.migrating_out and load.free_blocks == load.total_blocks:
             return
         assert time.monotonic() < deadline, f"not idle: {load}"
         await asyncio.sleep(0.1)
@@ -218,6 +234,115 @@ async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
     assert tokens == expected
     await _wait_idle(a)
     await _wait_idle(b)
+
+
+async def _read_tokens(node: Node, request_id: str, body: dict[str, Any], run: Run) -> None:
+    await run.read(node.api.Generate(pb.GenerateRequest(
+        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body))))
+
+
+async def test_a_full_or_unreachable_destination_leaves_the_request_on_the_source(
+        nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    await a.restart_llumlet()
+    await b.restart_llumlet("--migration-freeness-threshold", "1e9")  # no request fits: B counts as full
+    body = _body(10, 40, 160)
+    expected = await _generate(a, "fref", body)
+    run = Run()
+    reader = asyncio.create_task(_read_tokens(a, "full", body, run))
+    while len(run.tokens) < 10:
+        await asyncio.sleep(0.005)
+    full = await _migrate(a, b, "full")
+    assert full.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "room" in full.reason, full
+    gone = await a.migration.MigrateOut(mpb.MigrateOutRequest(
+        destination_instance_id="nowhere", destination_address=f"127.0.0.1:{free_port()}",
+        request_id="full"), timeout=60)
+    assert gone.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "did not answer" in gone.reason, gone
+    await reader
+    assert run.moved is None and run.tokens == expected
+    await _wait_idle(a)
+    await _wait_idle(b)
+
+
+async def test_a_request_finishing_on_the_source_mid_migration_ends_the_migration(
+        nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    await a.restart_llumlet(*STAGING_FOREVER)
+    await b.restart_llumlet()
+    # 34 + 28 tokens stay within two 32-token blocks: some block is always left unsent (the partial
+    # tail), so no final stage starts and it stages until the request ends.
+    body = _body(11, 34, 28)
+    expected = await _generate(a, "eref", body)
+    run = Run()
+    reader = asyncio.create_task(_read_tokens(a, "ends", body, run))
+    while len(run.tokens) < 2:
+        await asyncio.sleep(0.005)
+    result = await _migrate(a, b, "ends")
+    assert result.outcome == mpb.MIGRATION_OUTCOME_FINISHED_ON_SOURCE, result
+    assert result.stages >= 1
+    await reader
+    assert run.moved is None and run.tokens == expected
+    await _wait_idle(a)
+    await _wait_idle(b)  # the reservation was released
+
+
+async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destination_stops_its_copy(
+        nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    # The destination starts the request, but its first token takes longer than 10 ms.
+    await a.restart_llumlet("--migration-commit-timeout", "0.01")
+    await b.restart_llumlet()
+    body = _body(12, 40, 160)
+    expected = await _generate(a, "tref", body)
+    tokens, results = await _migrated_run((a, b), "late", body, 1, [20])
+    assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
+    assert "DEADLINE_EXCEEDED" in results[0].reason
+    assert tokens == expected
+    await _wait_idle(a)
+    await _wait_idle(b)
+
+
+@pytest.mark.parametrize("exit_at", ["final-stage", "commit"])
+async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
+        nodes: tuple[Node, Node], start_router: StartRouter, exit_at: str) -> None:
+    a, b = nodes
+    lease_s = 2.0
+    await b.restart_llumlet("--migration-lease", str(lease_s))
+    await a.restart_llumlet("--migration-test-exit-at", exit_at, always=True)
+    body = _body(13, 40, 200)
+    expected = await _generate(b, f"sref-{exit_at}", body)
+    # Round robin sends the first request to "a", the source.
+    router = await start_router([a.pair.grpc_address, b.pair.grpc_address], api=ApiSettings(model=MODEL),
+                                dispatch_policy="round-robin")
+    tokens: list[int] = []
+
+    async def client() -> None:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{router.port}/v1/completions",
+                json={**body, "stream": True, "return_token_ids": True}) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        tokens.extend(choice.get("token_ids") or [])
+
+    reading = asyncio.create_task(client())
+    while len(tokens) < 20:
+        assert not reading.done(), "the request ended before the migration"
+        await asyncio.sleep(0.005)
+    with pytest.raises(grpc.aio.AioRpcError) as died:  # the source kills itself mid-call
+        await a.migration.MigrateOut(mpb.MigrateOutRequest(
+            destination_instance_id="b", destination_address=b.pair.grpc_address), timeout=60)
+    assert died.value.code() == grpc.StatusCode.UNAVAILABLE
+    await reading
+    assert tokens == expected
+    assert router.metrics.replays._value.get() == 1
+    assert router.metrics.moves._value.get() == 0
+    # What B held for the migration (a reservation, or the committed copy nobody attaches to) goes
+    # with the lease; the replayed request finished.
+    await _wait_idle(b, timeout_s=lease_s + 10)
+    await a.restart_llumlet(always=True)
+    await _wait_idle(a)
 
 
 async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes: tuple[Node, Node]) -> None:

@@ -8,15 +8,18 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest_asyncio
+from aiohttp import web
 
 from llumlet.admission import Admission
-from llumlet.engine_client import EngineClient
+from llumlet.engine_client import EngineClient, EngineUnavailableError
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.destination import Destination
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
+from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
 
@@ -131,3 +134,83 @@ async def test_a_request_moving_out_is_marked_in_the_load(destination: tuple) ->
     assert report is not None
     assert report.load.migrating_out == 1
     assert {r.request_id: r.migrating for r in report.load.running} == {"x": True, "y": False}
+
+
+class SlowEngine(EngineClient):
+    """An engine slow to its first token (its stream then breaks: the request is over either way)."""
+
+    async def open_stream(self, endpoint: object, body: object) -> aiohttp.ClientResponse:
+        await asyncio.sleep(0.5)
+        raise EngineUnavailableError("no first token")
+
+
+async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_staging(
+        destination: tuple) -> None:
+    node, link = destination
+    node.admission.engine = SlowEngine("http://127.0.0.1:9")
+    proposal = _proposal("m1", 4)
+    proposal.endpoint = pb.ENDPOINT_COMPLETION
+    assert node.propose(proposal).accepted
+    commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
+        migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
+    for _ in range(100):
+        if node.admission.running("req-m1"):
+            break
+        await asyncio.sleep(0.01)
+    assert node.admission.running("req-m1") and not commit.done()
+    commit.cancel()  # the source's Commit deadline passed
+    await asyncio.gather(commit, return_exceptions=True)
+    answer = await node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="commit timed out"))
+    assert answer.released and link.dropped == ["m1"]
+    assert _load(node) == (0, 0)
+    for _ in range(200):
+        if not node.admission.running("req-m1"):
+            break
+        await asyncio.sleep(0.01)
+    assert not node.admission.running("req-m1") and node.attach("req-m1") is None
+
+
+async def _slow_engine(first_token_after_s: float) -> web.AppRunner:
+    """An OpenAI-style engine whose streams send their first token late, then one token a step."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(first_token_after_s)
+        for token in range(50):
+            chunk = {"id": "x", "object": "text_completion", "model": "m",
+                     "choices": [{"index": 0, "text": "t", "token_ids": [token], "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.05)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_attach(
+        destination: tuple) -> None:
+    node, _ = destination
+    runner = await _slow_engine(first_token_after_s=0.6)  # twice the fixture's 0.3 s lease
+    port = runner.addresses[0][1]
+    node.admission.engine = EngineClient(f"http://127.0.0.1:{port}")
+    expiry = asyncio.create_task(node.expire())
+    try:
+        proposal = _proposal("m1", 4)
+        proposal.endpoint = pb.ENDPOINT_COMPLETION
+        assert node.propose(proposal).accepted
+        answer = await node.commit(mpb.CommitMigrationRequest(
+            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63))
+        assert answer.ok, answer.reason
+        assert node.admission.running("req-m1")  # not aborted as unattached while it had no token
+        await asyncio.sleep(0.6)  # the caller never attaches: its lease runs out after the answer
+        assert not node.admission.running("req-m1") and node.attach("req-m1") is None
+    finally:
+        expiry.cancel()
+        await asyncio.gather(expiry, return_exceptions=True)
+        await node.admission.engine.close()
+        await runner.cleanup()
