@@ -236,9 +236,15 @@ async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
     await _wait_idle(b)
 
 
-async def _read_tokens(node: Node, request_id: str, body: dict[str, Any], run: Run) -> None:
-    await run.read(node.api.Generate(pb.GenerateRequest(
-        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body))))
+async def _stream_until(node: Node, request_id: str, body: dict[str, Any], tokens: int
+                        ) -> tuple[Run, asyncio.Task[None]]:
+    """A request streaming from `node`, once it has produced `tokens` tokens (the reader keeps going)."""
+    run = Run()
+    reader = asyncio.create_task(run.read(node.api.Generate(pb.GenerateRequest(
+        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
+    while len(run.tokens) < tokens:
+        await asyncio.sleep(0.005)
+    return run, reader
 
 
 async def test_a_full_or_unreachable_destination_leaves_the_request_on_the_source(
@@ -248,10 +254,7 @@ async def test_a_full_or_unreachable_destination_leaves_the_request_on_the_sourc
     await b.restart_llumlet("--migration-freeness-threshold", "1e9")  # no request fits: B counts as full
     body = _body(10, 40, 160)
     expected = await _generate(a, "fref", body)
-    run = Run()
-    reader = asyncio.create_task(_read_tokens(a, "full", body, run))
-    while len(run.tokens) < 10:
-        await asyncio.sleep(0.005)
+    run, reader = await _stream_until(a, "full", body, 10)
     full = await _migrate(a, b, "full")
     assert full.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "room" in full.reason, full
     gone = await a.migration.MigrateOut(mpb.MigrateOutRequest(
@@ -273,10 +276,7 @@ async def test_a_request_finishing_on_the_source_mid_migration_ends_the_migratio
     # tail), so no final stage starts and it stages until the request ends.
     body = _body(11, 34, 28)
     expected = await _generate(a, "eref", body)
-    run = Run()
-    reader = asyncio.create_task(_read_tokens(a, "ends", body, run))
-    while len(run.tokens) < 2:
-        await asyncio.sleep(0.005)
+    run, reader = await _stream_until(a, "ends", body, 2)
     result = await _migrate(a, b, "ends")
     assert result.outcome == mpb.MIGRATION_OUTCOME_FINISHED_ON_SOURCE, result
     assert result.stages >= 1
@@ -350,11 +350,7 @@ async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes
     await a.restart_llumlet(*STAGING_FOREVER)
     body = _body(9, 40, 800)  # long enough that it cannot finish before the failed stage is noticed
     expected = await _generate(a, "kref", body)
-    run = Run()
-    reader = asyncio.create_task(run.read(a.api.Generate(pb.GenerateRequest(
-        request_id="kill", endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
-    while len(run.tokens) < 10:
-        await asyncio.sleep(0.005)
+    run, reader = await _stream_until(a, "kill", body, 10)
     migration = asyncio.create_task(_migrate(a, b, "kill"))
     while not (await b.api.GetLoad(pb.GetLoadRequest())).migrating_in:  # accepted: stages begin
         await asyncio.sleep(0.001)
