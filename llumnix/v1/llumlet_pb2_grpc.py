@@ -69,43 +69,31 @@ class LlumletStub:
 class LlumletServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def WatchLoad(self, request, context):
+    async def WatchLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def GetLoad(self, request, context):
+    async def GetLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         """Errors: INVALID_ARGUMENT (malformed body; the message is the OpenAI error JSON), UNAVAILABLE
         (draining, shutting down or engine down), ALREADY_EXISTS (request_id in use).
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def SetDraining(self, request, context):
+    async def SetDraining(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Health(self, request, context):
+    async def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
 
 def add_LlumletServicer_to_server(servicer, server):

@@ -64,38 +64,28 @@ class LlumletMigrationStub:
 class LlumletMigrationServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def MigrateOut(self, request, context):
+    async def MigrateOut(self, request, context):
         """Control loop / admin: move one running request from this llumlet to the destination. Answers when
         the migration ended, with its outcome; never loses the request.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Propose(self, request, context):
+    async def Propose(self, request, context):
         """Peer calls, source llumlet -> destination llumlet.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Renew(self, request, context):
+    async def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Commit(self, request, context):
+    async def Commit(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
 
 def add_LlumletMigrationServicer_to_server(servicer, server):
