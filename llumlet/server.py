@@ -144,4 +144,8 @@ class Llumlet:
             await self.shutdown()
             raise
         await stop.wait()
+        # One SIGTERM starts the graceful shutdown; another one (a supervisor repeating itself) must not
+        # kill the process halfway, including after the event loop has closed and its handlers are gone.
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await self.shutdown()
