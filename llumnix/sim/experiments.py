@@ -378,8 +378,7 @@ def run_experiment(
 ) -> Path:
     """Run a preset, write `report.md` and its PNGs into `out`; return the report's path.
 
-    `rate_scale` multiplies every run's rate: the same preset at a load matched to the paper's regime
-    when the modelled instances have more headroom than the paper's (docs/reproduction.md)."""
+    `rate_scale` multiplies every run's rate: the same preset at a lighter or heavier load."""
     experiment = EXPERIMENTS[name]
     count = requests or experiment.default_requests
     if count < 1:
