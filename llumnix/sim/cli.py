@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate-scale",
         type=float,
         default=1.0,
-        help="multiply every rate of --experiment by this factor (the same preset at a lighter or heavier load)",
+        help="multiply every rate of --experiment by this factor (the preset at a lighter or heavier load)",
     )
 
 
