@@ -72,9 +72,11 @@ class LlumletProcess:
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as session:
             while time.monotonic() < deadline:
-                if self.process is None or self.process.poll() is not None:
-                    raise LlumletStartError(f"llumlet {self.config.instance_id} exited during start:\n"
-                                            f"{self.log_tail()}")
+                if self.process is None:
+                    raise LlumletStartError(f"llumlet {self.config.instance_id} was never started")
+                if (code := self.process.poll()) is not None:
+                    raise LlumletStartError(f"llumlet {self.config.instance_id} exited with code {code} "
+                                            f"during start:\n{self.log_tail()}")
                 try:
                     async with session.get(self.http_url + "/health",
                                            timeout=aiohttp.ClientTimeout(total=2)) as response:
