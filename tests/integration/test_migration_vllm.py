@@ -48,6 +48,7 @@ pytestmark = [
 
 StartRouter = Callable[..., Awaitable[Router]]
 MODEL = "tiny"
+A_MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
 B_MAX_MODEL_LEN = 256
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
 # A CPU engine stepping 30 requests can take longer than the default health-check timeout (0.5 s);
@@ -87,8 +88,8 @@ async def nodes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> AsyncIterator[tuple[Node, Node]]:
     work = tmp_path_factory.mktemp("migration-vllm")
     pairs = [EnginePair(PairConfig(instance_id="a", work_dir=work / "a", model_dir=tiny_model_dir,
-                                   max_model_len=1024, shutdown_grace_s=5.0, llumlet_args=LLUMLET_ARGS,
-                                   engine_start_timeout_s=900.0)),
+                                   max_model_len=A_MAX_MODEL_LEN, shutdown_grace_s=5.0,
+                                   llumlet_args=LLUMLET_ARGS, engine_start_timeout_s=900.0)),
              EnginePair(PairConfig(instance_id="b", work_dir=work / "b", model_dir=tiny_model_dir,
                                    max_model_len=B_MAX_MODEL_LEN, shutdown_grace_s=5.0,
                                    llumlet_args=LLUMLET_ARGS, engine_start_timeout_s=900.0))]
@@ -348,7 +349,9 @@ async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
 async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     await a.restart_llumlet(*STAGING_FOREVER)
-    body = _body(9, 40, 800)  # long enough that it cannot finish before the failed stage is noticed
+    # Long enough that it cannot finish before the failed stage is noticed: on a loaded 2-core machine
+    # the source has taken over 10 s to see the dead receiver (an 800-token request finished first).
+    body = _body(9, 40, 2000)
     expected = await _generate(a, "kref", body)
     run, reader = await _stream_until(a, "kill", body, 10)
     migration = asyncio.create_task(_migrate(a, b, "kill"))
