@@ -29,8 +29,13 @@ from typing import Literal
 
 import aiohttp
 
+from llumlet.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
+from llumlet.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
+
 CONNECTOR_MODULE = "llumlet.kv_connector"
 CONNECTOR_CLASS = "LlumnixConnector"
+SHM_READER_BUSY_S = 0.002
+SHM_READER_RECHECK_MS = 2
 
 
 class EngineStartError(RuntimeError):
@@ -117,6 +122,10 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         argv.append("--enforce-eager")
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-int(config.kv_cache_gib * 1024) // 1024)))
+        # EngineCore and its worker must not spin for a second after every step, nor sleep up to 5 s on
+        # a lost wake-up (llumlet/vllm_shm_wait.py).
+        env[SHM_BUSY_ENV] = str(SHM_READER_BUSY_S)
+        env[SHM_RECHECK_ENV] = str(SHM_READER_RECHECK_MS)
     else:
         argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))]
     argv += list(config.extra_args)

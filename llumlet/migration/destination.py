@@ -146,23 +146,31 @@ class Destination:
         reservation.deadline = time.monotonic() + self.settings.lease_s
         return mpb.RenewMigrationResponse(ok=True)
 
-    async def abort(self, request: mpb.AbortMigrationRequest) -> mpb.AbortMigrationResponse:
+    def abort(self, request: mpb.AbortMigrationRequest) -> mpb.AbortMigrationResponse:
         # A source that gave up on a slow Commit resumes the request itself: stop the copy here.
         started = next((s for s in self.streams.values() if s.migration_id == request.migration_id), None)
         if started is not None:
             self.detach(started)
             # The interrupted Commit released the reservation; the staging may not have been loaded yet.
-            await self.link.drop_staging(request.migration_id)
-        released = await self._release(request.migration_id, f"aborted by the source: {request.reason}")
+            self._drop_staging(request.migration_id)
+        released = self._release(request.migration_id, f"aborted by the source: {request.reason}")
         return mpb.AbortMigrationResponse(released=released or started is not None)
 
-    async def _release(self, migration_id: str, why: str) -> bool:
+    def _drop_staging(self, migration_id: str) -> None:
+        """Tells the engine to drop a migration's staging without waiting for its answer: a dead engine
+        answers only after the command timeout, and Abort must answer at once (the engine's own staging
+        lease frees what a lost command leaves)."""
+        task = asyncio.create_task(self.link.drop_staging(migration_id), name=f"drop-{migration_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _release(self, migration_id: str, why: str) -> bool:
         """Drops a reservation that will not be committed, and its staging."""
         reservation = self.reservations.pop(migration_id, None)
         if reservation is None:
             return False
         self._publish_reservations()
-        await self.link.drop_staging(migration_id)
+        self._drop_staging(migration_id)
         self.metrics.migrations.labels("in", "released").inc()
         logger.info("migration released", extra={"migration_id": migration_id,
                                                  "request_id": reservation.request_id, "reason": why})
@@ -186,7 +194,7 @@ class Destination:
         try:
             record, stream = self._start(reservation, request)
         except (ValueError, NotReplayable) as exc:
-            await self._release(request.migration_id, f"cannot resume: {exc}")
+            self._release(request.migration_id, f"cannot resume: {exc}")
             return mpb.CommitMigrationResponse(ok=False, reason=f"cannot resume the request: {exc}")
         first = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._pump(record, stream, first), name=f"migrated-{record.request_id}")
@@ -200,7 +208,7 @@ class Destination:
             self._publish_reservations()
         if not ok:
             self.streams.pop(record.request_id, None)
-            await self.link.drop_staging(request.migration_id)
+            self._drop_staging(request.migration_id)
             self.metrics.migrations.labels("in", "failed").inc()
             return mpb.CommitMigrationResponse(ok=False, reason=reason)
         first_token_ms = (time.monotonic() - started) * 1e3
@@ -272,7 +280,7 @@ class Destination:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
             now = time.monotonic()
             for migration_id in [m for m, r in self.reservations.items() if r.deadline <= now]:
-                await self._release(migration_id, "lease expired")
+                self._release(migration_id, "lease expired")
             for stream in [s for s in self.streams.values() if not s.attached and s.deadline <= now]:
                 logger.warning("migrated request never attached; aborting it",
                                extra={"request_id": stream.request_id})

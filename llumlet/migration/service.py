@@ -36,4 +36,4 @@ class MigrationService(migration_pb2_grpc.LlumletMigrationServicer):
 
     async def Abort(self, request: mpb.AbortMigrationRequest, context: grpc.aio.ServicerContext
                     ) -> mpb.AbortMigrationResponse:
-        return await self.destination.abort(request)
+        return self.destination.abort(request)

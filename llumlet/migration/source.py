@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
 import grpc
 
@@ -250,10 +251,12 @@ class Source:
         return answer
 
     def _blocks_left(self, progress: _Progress) -> int:
-        """Blocks not yet sent in full (the partial tail block is always sent again)."""
+        """Blocks not yet sent in full (the partial tail block is always sent again). The engine runs
+        ahead of this llumlet's view of the request; it has at least one token more than it staged
+        (the last sampled token has no KV yet), so at least one block is always left."""
         block_size = self._block_size()
         record = progress.record
-        tokens = len(record.prompt_token_ids) + record.output_tokens
+        tokens = max(len(record.prompt_token_ids) + record.output_tokens, progress.staged_tokens + 1)
         return blocks_for_tokens(tokens, block_size) - progress.staged_tokens // block_size
 
     async def _stages(self, progress: _Progress, answer: mpb.ProposeMigrationResponse,
@@ -283,12 +286,18 @@ class Source:
             await self.link.export_stage(progress.migration_id, progress.record.request_id, answer.kv_address,
                                          answer.transport, answer.transport_params_json, final)
         except EngineCommandRefused as exc:
-            raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
-                                  f"the engine refused the export: {exc}") from None
+            await self._fail(progress, f"the engine refused the export: {exc}")
+
+    async def _fail(self, progress: _Progress, reason: str) -> NoReturn:
+        """Ends the migration: FINISHED_ON_SOURCE if the request is ending here (the engine refuses or
+        fails a stage of a finished request, and says so before the llumlet sees the request's last
+        chunk), ABORTED with `reason` otherwise."""
+        if await self._finishing(progress):
+            self._check_running(progress)
+        raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED, reason)
 
     async def _finishing(self, progress: _Progress) -> bool:
-        """Whether the request is ending here (the engine fails a stage of a finished request, and its
-        event can overtake the request's last chunk)."""
+        """Whether the request is ending here, within a short grace."""
         deadline = time.monotonic() + _FINISH_GRACE_S
         while time.monotonic() < deadline:
             if progress.record.finish_reasons or not self.admission.running(progress.record.request_id):
@@ -313,9 +322,9 @@ class Source:
             except TimeoutError:
                 continue
             if event.kind == MIGRATION_EVENT_KIND_STAGE_FAILED:
-                if not final and await self._finishing(progress):
-                    self._check_running(progress)
-                raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED, f"a KV stage failed: {event.error}")
+                if final:
+                    raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED, f"a KV stage failed: {event.error}")
+                await self._fail(progress, f"a KV stage failed: {event.error}")
             if event.kind == MIGRATION_EVENT_KIND_STAGE_SENT and event.final == final:
                 return event
         raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,

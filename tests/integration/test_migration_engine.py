@@ -55,6 +55,10 @@ pytestmark = [
 BLOCK_SIZE = 32
 PROMPT = [(17 * i + 5) % 250 + 3 for i in range(40)]  # 40 token ids: two blocks, the second partial
 MAX_TOKENS = 64
+STREAM_MAX_TOKENS = 400
+"""What a streamed (migrated) request asks for: it decodes for hundreds of steps past its last mark, so
+it is still running when the test's commands reach the engine, whatever the machine's speed; the
+client disconnects after the last mark (vLLM aborts it) and compares the first MAX_TOKENS tokens."""
 
 
 @dataclass
@@ -147,8 +151,9 @@ async def _stream_until(source: Engine, request_id: str, marks: list[int],
                         at_mark: Callable[[int], Any]) -> list[int]:
     """Streams PROMPT on the source; calls `at_mark(n)` (awaited) once n tokens arrived, for each mark;
     disconnects (vLLM aborts the request) after the last mark. Returns the tokens the client saw."""
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "kv_transfer_params": {"llumlet_id": request_id}}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": STREAM_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "kv_transfer_params": {"llumlet_id": request_id}}
     generated: list[int] = []
     pending = list(marks)
     response = await source.session.post(f"{source.process.url}/v1/completions", json=body)

@@ -11,6 +11,11 @@ engine that dies mid-stage aborts the migration and the source continues.
 
 Engine B runs a shorter context than A (the handshake does not compare context lengths): long
 requests moved to B fail at commit, which is how the recompute path is reached.
+
+Nothing here depends on how fast the engines are: a migrated request asks for far more tokens than
+the test reads (`LONG`), so it is still decoding when its migration starts and ends; the test reads the
+tokens it compares and then aborts the request. Outcomes that hinge on an order of events (a request
+ending while it migrates) are driven by a destination the test controls.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from llumlet.kv_transport import StagingStore, TcpKVReceiver
 from llumlet.llumlet_process import LlumletProcess
 from llumlet.pair import EnginePair, PairConfig, free_port
 from llumnix.router.api import ApiSettings
@@ -49,8 +55,12 @@ pytestmark = [
 StartRouter = Callable[..., Awaitable[Router]]
 MODEL = "tiny"
 A_MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
-B_MAX_MODEL_LEN = 256
+B_MAX_MODEL_LEN = 1024
+LONG = 900
+"""max_tokens of a migrated request: it runs on either engine and decodes hundreds of steps beyond
+what the test reads, whatever the machine's speed."""
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
+"""At least one block (the tail) is always left to send: no final stage starts before 1000 stages."""
 # A CPU engine stepping 30 requests can take longer than the default health-check timeout (0.5 s);
 # two missed checks would fail every request in flight.
 LLUMLET_ARGS = ("--max-concurrent-migrations", "4", "--engine-check-interval", "2")
@@ -110,23 +120,76 @@ def _body(seed: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Run:
+    """One request's stream, read in the background, possibly across moves."""
+
+    node: Node
+    request_id: str
     tokens: list[int] = dataclasses.field(default_factory=list)
     moved: pb.Moved | None = None
+    reader: asyncio.Task[None] | None = None
+    grown: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
-    async def read(self, call: Any) -> None:
+    @classmethod
+    def start(cls, node: Node, request_id: str, body: dict[str, Any]) -> Run:
+        run = cls(node, request_id)
+        run._read(node.api.Generate(pb.GenerateRequest(
+            request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body))))
+        return run
+
+    def _read(self, call: Any) -> None:
         self.moved = None
-        async for message in call:
-            if message.HasField("moved"):
-                self.moved = message.moved
-            else:
-                self.tokens += message.chunk.token_ids
+        self.reader = asyncio.create_task(self._consume(call))
+
+    async def _consume(self, call: Any) -> None:
+        try:
+            async for message in call:
+                if message.HasField("moved"):
+                    self.moved = message.moved
+                else:
+                    self.tokens += message.chunk.token_ids
+                    self.grown.set()
+        finally:
+            self.grown.set()
+
+    @property
+    def done(self) -> bool:
+        return self.reader is not None and self.reader.done()
+
+    async def until(self, count: int, timeout_s: float = 300.0) -> None:
+        """Waits for `count` tokens; fails if the stream ends (or moves) first."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.tokens) < count:
+                assert not self.done, f"{self.request_id} ended after {len(self.tokens)} of {count} tokens"
+                self.grown.clear()
+                await self.grown.wait()
+
+    async def follow(self, node: Node) -> None:
+        """After a committed move to `node`: the stream ended with Moved; attach to it there."""
+        assert self.reader is not None
+        await self.reader
+        assert self.moved is not None, f"{self.request_id} ended without a move"
+        assert self.moved.instance_id == node.pair.config.instance_id
+        self.node = node
+        self._read(self.node.api.Generate(pb.GenerateRequest(request_id=self.request_id, attach=True)))
+
+    async def stop(self, count: int) -> list[int]:
+        """Reads `count` tokens, then aborts the request where it runs; returns those tokens."""
+        await self.until(count)
+        await self.node.api.Abort(pb.AbortRequest(request_id=self.request_id))
+        assert self.reader is not None
+        await self.reader
+        assert self.moved is None
+        return self.tokens[:count]
+
+    async def finish(self) -> list[int]:
+        assert self.reader is not None
+        await self.reader
+        assert self.moved is None
+        return self.tokens
 
 
 async def _generate(node: Node, request_id: str, body: dict[str, Any]) -> list[int]:
-    run = Run()
-    await run.read(node.api.Generate(pb.GenerateRequest(
-        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body))))
-    return run.tokens
+    return await Run.start(node, request_id, body).finish()
 
 
 async def _migrate(source: Node, destination: Node, request_id: str,
@@ -158,54 +221,56 @@ async def _wait_idle(node: Node, timeout_s: float = 30.0) -> None:
 
 
 async def _migrated_run(nodes: tuple[Node, Node], request_id: str, body: dict[str, Any], hops: int,
-                        after: list[int]) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
-    """Runs the request on nodes[0] and moves it `hops` times (after `after[i]` tokens each)."""
+                        after: list[int], want: int) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
+    """Runs the request on nodes[0], moves it `hops` times (after `after[i]` tokens each), and returns
+    its first `want` tokens."""
     here, there = nodes
-    run = Run()
-    reader = asyncio.create_task(run.read(here.api.Generate(pb.GenerateRequest(
-        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
+    run = Run.start(here, request_id, body)
     results: list[mpb.MigrateOutResponse] = []
     for hop in range(hops):
-        while len(run.tokens) < after[hop] and not reader.done():
-            await asyncio.sleep(0.005)
-        if reader.done():
-            break
+        await run.until(after[hop])
         result = await _migrate(here, there, request_id)
         results.append(result)
         if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
             break
-        await reader
-        assert run.moved is not None
+        await run.follow(there)
         here, there = there, here
-        reader = asyncio.create_task(run.read(here.api.Generate(
-            pb.GenerateRequest(request_id=request_id, attach=True))))
-    await reader
-    assert run.moved is None
-    return run.tokens, results
+    return await run.stop(want), results
 
 
 async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     rng = random.Random(4)
     count = 24
-    bodies = [_body(i, rng.randint(16, 48), rng.randint(120, 200)) for i in range(count)]
-    expected = await asyncio.gather(*(_generate(a, f"ref-{i}", body) for i, body in enumerate(bodies)))
-    background = [asyncio.create_task(_generate(node, f"bg-{node.pair.config.instance_id}-{i}",
-                                                _body(100 + i, 32, 200)))
+    prompts = [rng.randint(16, 48) for _ in range(count)]
+    wants = [rng.randint(120, 200) for _ in range(count)]
+    expected = await asyncio.gather(*(_generate(a, f"ref-{i}", _body(i, prompt, want))
+                                      for i, (prompt, want) in enumerate(zip(prompts, wants, strict=True))))
+    background = [Run.start(node, f"bg-{node.pair.config.instance_id}-{i}", _body(100 + i, 32, LONG))
                   for i in range(3) for node in (a, b)]
-    runs = []
-    for i, body in enumerate(bodies):
+    # At most as many requests migrate at once as an instance takes (LLUMLET_ARGS): none waits for a slot.
+    slots = asyncio.Semaphore(4)
+
+    async def migrated(i: int) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
         order = (a, b) if i % 2 == 0 else (b, a)
         hops = 2 if i % 3 == 0 else 1
-        runs.append(_migrated_run(order, f"m-{i}", body, hops, sorted(rng.sample(range(2, 60), hops))))
-    outcomes = await asyncio.gather(*runs)
-    await asyncio.gather(*background)
+        after = sorted(rng.sample(range(2, 60), hops))
+        async with slots:
+            return await _migrated_run(order, f"m-{i}", _body(i, prompts[i], LONG), hops, after, wants[i])
+
+    outcomes = await asyncio.gather(*(migrated(i) for i in range(count)))
+    for run in background:  # load only: stop those still running
+        if not run.done:
+            await run.node.api.Abort(pb.AbortRequest(request_id=run.request_id))
+        await run.finish()
     committed = [r for _, results in outcomes for r in results
                  if r.outcome == mpb.MIGRATION_OUTCOME_COMMITTED]
     twice = sum(1 for _, results in outcomes
                 if sum(r.outcome == mpb.MIGRATION_OUTCOME_COMMITTED for r in results) == 2)
-    assert len(committed) >= 20, [r for _, results in outcomes for r in results]
-    assert twice >= 3
+    # Every migration of a running request into an instance with room commits.
+    assert len(committed) == sum(2 if i % 3 == 0 else 1 for i in range(count)), \
+        [r for _, results in outcomes for r in results]
+    assert twice == sum(1 for i in range(count) if i % 3 == 0)
     assert all(r.migrated_tokens > 0 and r.bytes > 0 for r in committed)
     for (tokens, results), want in zip(outcomes, expected, strict=True):
         assert tokens == want, results
@@ -216,11 +281,10 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
 async def test_zero_kv_control_diverges(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     await a.restart_llumlet("--migration-test-zero-kv")
-    body = _body(7, 40, 120)
-    expected = await _generate(a, "zref", body)
-    tokens, results = await _migrated_run((a, b), "zkv", body, 1, [20])
+    expected = await _generate(a, "zref", _body(7, 40, 120))
+    tokens, results = await _migrated_run((a, b), "zkv", _body(7, 40, LONG), 1, [20], 120)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_COMMITTED]
-    assert len(tokens) == len(expected) and tokens[:20] == expected[:20]
+    assert tokens[:20] == expected[:20]
     assert tokens != expected
     await a.restart_llumlet()
 
@@ -228,24 +292,13 @@ async def test_zero_kv_control_diverges(nodes: tuple[Node, Node]) -> None:
 async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
         nodes: tuple[Node, Node]) -> None:
     a, b = nodes
-    body = _body(8, 200, 200)  # past B's context once moved
-    expected = await _generate(a, "rref", body)
-    tokens, results = await _migrated_run((a, b), "resume", body, 1, [80])
+    expected = await _generate(a, "rref", _body(8, 40, 200))
+    # Asks for more than B's context: B fails the resumed request at commit.
+    tokens, results = await _migrated_run((a, b), "resume", _body(8, 40, 1500), 1, [80], 200)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
     assert tokens == expected
     await _wait_idle(a)
     await _wait_idle(b)
-
-
-async def _stream_until(node: Node, request_id: str, body: dict[str, Any], tokens: int
-                        ) -> tuple[Run, asyncio.Task[None]]:
-    """A request streaming from `node`, once it has produced `tokens` tokens (the reader keeps going)."""
-    run = Run()
-    reader = asyncio.create_task(run.read(node.api.Generate(pb.GenerateRequest(
-        request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))))
-    while len(run.tokens) < tokens:
-        await asyncio.sleep(0.005)
-    return run, reader
 
 
 async def test_a_full_or_unreachable_destination_leaves_the_request_on_the_source(
@@ -253,38 +306,102 @@ async def test_a_full_or_unreachable_destination_leaves_the_request_on_the_sourc
     a, b = nodes
     await a.restart_llumlet()
     await b.restart_llumlet("--migration-freeness-threshold", "1e9")  # no request fits: B counts as full
-    body = _body(10, 40, 160)
-    expected = await _generate(a, "fref", body)
-    run, reader = await _stream_until(a, "full", body, 10)
+    expected = await _generate(a, "fref", _body(10, 40, 160))
+    run = Run.start(a, "full", _body(10, 40, LONG))
+    await run.until(10)
     full = await _migrate(a, b, "full")
     assert full.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "room" in full.reason, full
     gone = await a.migration.MigrateOut(mpb.MigrateOutRequest(
         destination_instance_id="nowhere", destination_address=f"127.0.0.1:{free_port()}",
         request_id="full"), timeout=60)
     assert gone.outcome == mpb.MIGRATION_OUTCOME_REFUSED and "did not answer" in gone.reason, gone
-    await reader
-    assert run.moved is None and run.tokens == expected
+    assert await run.stop(160) == expected
     await _wait_idle(a)
     await _wait_idle(b)
 
 
-async def test_a_request_finishing_on_the_source_mid_migration_ends_the_migration(
-        nodes: tuple[Node, Node]) -> None:
-    a, b = nodes
-    await a.restart_llumlet(*STAGING_FOREVER)
-    await b.restart_llumlet()
-    # 34 + 28 tokens stay within two 32-token blocks: some block is always left unsent (the partial
-    # tail), so no final stage starts and it stages until the request ends.
-    body = _body(11, 34, 28)
-    expected = await _generate(a, "eref", body)
-    run, reader = await _stream_until(a, "ends", body, 2)
-    result = await _migrate(a, b, "ends")
+class GatedDestination(migration_pb2_grpc.LlumletMigrationServicer):
+    """A destination llumlet whose Propose (or Renew) answers only once the test opens the gate, so the
+    test decides what the request on the source does meanwhile. It stages what it receives in a real
+    KV receiver and records the source's Abort."""
+
+    def __init__(self, gated: str) -> None:
+        self.gated = gated
+        self.waiting = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.aborted: list[str] = []
+        self.staging: StagingStore | None = None
+        self.receiver: TcpKVReceiver | None = None
+
+    async def _pass(self, call: str) -> None:
+        if call == self.gated:
+            self.waiting.set()
+            await self.gate.wait()
+
+    async def Propose(self, request: mpb.ProposeMigrationRequest, context: Any
+                      ) -> mpb.ProposeMigrationResponse:
+        layout = json.loads(request.handshake_json)
+        self.staging = StagingStore(int(layout["kv_layout"]["bytes_per_block"]), str(layout["kv_dtype"]))
+        self.receiver = TcpKVReceiver("127.0.0.1", staging=self.staging)
+        self.receiver.start()
+        await self._pass("propose")
+        return mpb.ProposeMigrationResponse(accepted=True, kv_address=self.receiver.address, transport="tcp",
+                                            lease_ms=10_000)
+
+    async def Renew(self, request: mpb.RenewMigrationRequest, context: Any) -> mpb.RenewMigrationResponse:
+        await self._pass("renew")
+        return mpb.RenewMigrationResponse(ok=True)
+
+    async def Abort(self, request: mpb.AbortMigrationRequest, context: Any) -> mpb.AbortMigrationResponse:
+        self.aborted.append(request.migration_id)
+        return mpb.AbortMigrationResponse(released=True)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gated_destination(request: pytest.FixtureRequest) -> AsyncIterator[tuple[GatedDestination, str]]:
+    servicer = GatedDestination(request.param)
+    server = grpc.aio.server()
+    migration_pb2_grpc.add_LlumletMigrationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        servicer.gate.set()
+        await server.stop(0)
+        if servicer.receiver is not None:
+            servicer.receiver.close()
+
+
+@pytest.mark.parametrize(("gated_destination", "ending"), [("propose", "finishes"), ("renew", "is aborted")],
+                         indirect=["gated_destination"])
+async def test_a_request_ending_on_the_source_mid_migration_ends_the_migration(
+        nodes: tuple[Node, Node], gated_destination: tuple[GatedDestination, str], ending: str) -> None:
+    """The request finishes (its last token while Propose is pending) or is aborted by its caller
+    (after a KV stage was sent): FINISHED_ON_SOURCE, the destination is told to abort, nothing leaks."""
+    a, _ = nodes
+    await a.restart_llumlet()
+    destination, address = gated_destination
+    # Natural finish: long enough to be running when MigrateOut arrives (one call after its 2nd token).
+    run = Run.start(a, f"ends-{destination.gated}", _body(11, 40, 200 if ending == "finishes" else LONG))
+    await run.until(2)
+    migration = asyncio.create_task(a.migration.MigrateOut(mpb.MigrateOutRequest(
+        destination_instance_id="gated", destination_address=address, request_id=run.request_id),
+        timeout=120))
+    async with asyncio.timeout(60):
+        await destination.waiting.wait()
+    if ending == "finishes":
+        tokens = await run.finish()
+        assert len(tokens) == 200
+    else:
+        await a.api.Abort(pb.AbortRequest(request_id=run.request_id))
+        await run.finish()
+    destination.gate.set()
+    result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_FINISHED_ON_SOURCE, result
-    assert result.stages >= 1
-    await reader
-    assert run.moved is None and run.tokens == expected
+    assert result.stages == (0 if ending == "finishes" else 1), result
+    assert destination.aborted == [result.migration_id]
     await _wait_idle(a)
-    await _wait_idle(b)  # the reservation was released
 
 
 async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destination_stops_its_copy(
@@ -293,9 +410,8 @@ async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destinati
     # The destination starts the request, but its first token takes longer than 10 ms.
     await a.restart_llumlet("--migration-commit-timeout", "0.01")
     await b.restart_llumlet()
-    body = _body(12, 40, 160)
-    expected = await _generate(a, "tref", body)
-    tokens, results = await _migrated_run((a, b), "late", body, 1, [20])
+    expected = await _generate(a, "tref", _body(12, 40, 160))
+    tokens, results = await _migrated_run((a, b), "late", _body(12, 40, LONG), 1, [20], 160)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
     assert "DEADLINE_EXCEEDED" in results[0].reason
     assert tokens == expected
@@ -310,7 +426,7 @@ async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
     lease_s = 2.0
     await b.restart_llumlet("--migration-lease", str(lease_s))
     await a.restart_llumlet("--migration-test-exit-at", exit_at, always=True)
-    body = _body(13, 40, 200)
+    body = _body(13, 40, 600)  # decodes for hundreds of steps after the migration starts
     expected = await _generate(b, f"sref-{exit_at}", body)
     # Round robin sends the first request to "a", the source.
     router = await start_router([a.pair.grpc_address, b.pair.grpc_address], api=ApiSettings(model=MODEL),
@@ -353,13 +469,13 @@ async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes
     # the source has taken over 10 s to see the dead receiver (an 800-token request finished first).
     body = _body(9, 40, 2000)
     expected = await _generate(a, "kref", body)
-    run, reader = await _stream_until(a, "kill", body, 10)
+    run = Run.start(a, "kill", body)
+    await run.until(10)
     migration = asyncio.create_task(_migrate(a, b, "kill"))
     while not (await b.api.GetLoad(pb.GetLoadRequest())).migrating_in:  # accepted: stages begin
         await asyncio.sleep(0.001)
     b.pair.kill_engine()
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result
-    await reader
-    assert run.moved is None and run.tokens == expected
+    assert await run.finish() == expected
     await _wait_idle(a)

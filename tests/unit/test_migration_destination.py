@@ -31,9 +31,25 @@ HANDSHAKE = {"model": "m", "kv_dtype": "float32", "block_size": 16, "kv_layout":
 class FakeLink:
     def __init__(self) -> None:
         self.dropped: list[str] = []
+        self.changed = asyncio.Event()
 
     async def drop_staging(self, migration_id: str) -> None:
         self.dropped.append(migration_id)
+        self.changed.set()
+
+    async def wait_dropped(self, expected: list[str]) -> None:
+        """The destination drops staging without waiting for the engine: wait for the command."""
+        async with asyncio.timeout(5):
+            while self.dropped != expected:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+class HungLink(FakeLink):
+    """An engine that died: its commands are never answered (the real link times out after seconds)."""
+
+    async def drop_staging(self, migration_id: str) -> None:
+        await asyncio.Event().wait()
 
 
 @pytest_asyncio.fixture
@@ -70,10 +86,19 @@ async def test_accepting_reserves_blocks_in_the_load_until_aborted(destination: 
     answer = node.propose(_proposal("m1", 10))
     assert answer.accepted and answer.kv_address == "tcp://127.0.0.1:9" and answer.transport == "tcp"
     assert _load(node) == (11, 1)  # one block of growth while it keeps decoding
-    released = await node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test"))
-    assert released.released and link.dropped == ["m1"]
+    released = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test"))
+    assert released.released and _load(node) == (0, 0)
+    await link.wait_dropped(["m1"])
+    assert not node.abort(mpb.AbortMigrationRequest(migration_id="m1")).released
+
+
+async def test_abort_answers_at_once_when_the_engine_does_not(destination: tuple) -> None:
+    node, _ = destination
+    node.link = HungLink()
+    assert node.propose(_proposal("m1", 10)).accepted
+    assert node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test")).released
     assert _load(node) == (0, 0)
-    assert not (await node.abort(mpb.AbortMigrationRequest(migration_id="m1"))).released
+    await node.close()  # the hung command is cancelled, not left behind
 
 
 async def test_refusals_change_nothing(destination: tuple) -> None:
@@ -107,7 +132,7 @@ async def test_leases_expire_unless_renewed(destination: tuple) -> None:
         for _ in range(8):
             await asyncio.sleep(0.1)
             assert node.renew(mpb.RenewMigrationRequest(migration_id="kept")).ok
-        assert link.dropped == ["lost"]
+        await link.wait_dropped(["lost"])
         assert not node.renew(mpb.RenewMigrationRequest(migration_id="lost")).ok
         assert _load(node) == (5, 1)
     finally:
@@ -160,9 +185,9 @@ async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_st
     assert node.admission.running("req-m1") and not commit.done()
     commit.cancel()  # the source's Commit deadline passed
     await asyncio.gather(commit, return_exceptions=True)
-    answer = await node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="commit timed out"))
-    assert answer.released and link.dropped == ["m1"]
-    assert _load(node) == (0, 0)
+    answer = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="commit timed out"))
+    assert answer.released and _load(node) == (0, 0)
+    await link.wait_dropped(["m1"])
     for _ in range(200):
         if not node.admission.running("req-m1"):
             break
