@@ -13,11 +13,17 @@ request's decode step at the destination afterwards (the normal inter-token time
 first step there is part of the downtime). One unmeasured migration and prefill first warm the engines
 up (their first migrated-in request and first prefill pay one-off initialisation).
 
+A migration that does not commit is reported with its outcome and counted, never aborts the run.
+`--soak N` then moves one request of SOAK_PROMPT tokens back and forth N times in a row while another
+request decodes on each engine, and prints the outcomes and the downtime's and duration's median, P99
+and maximum (docs/figures/migration_soak_<model>.md).
+
 Writes a Markdown table and JSON next to a PNG (docs/figures/migration_downtime_<model>.png), and
 prints the model's compute per KV byte beside LLaMA-7B's (~14 GFLOP prefill per token vs 512 KiB of
 fp16 KV per token): migration beats recompute by that ratio's margin on real models.
 
     .venv/bin/python bench/migration_downtime.py --model tiny --lengths 256,1024,2048
+    .venv/bin/python bench/migration_downtime.py --model tiny --soak 100
     .venv/bin/python bench/migration_downtime.py --model 7b-like
 """
 
@@ -27,10 +33,12 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +58,15 @@ MODELS = {"tiny": "test", "7b-like": "7b-like"}
 DECODE_BEFORE_MOVE = 16
 DECODE_AFTER_MOVE = 64
 """Enough tokens at the destination that most arrive one step apart after the caller attached."""
+HEADROOM = 512
+"""More tokens than a measured request reads: it is still decoding when its migration starts and ends,
+whatever the machine's speed; it is aborted once measured."""
 MAX_ATTEMPTS = 3
+"""A migration that does not commit is counted and measured again with a fresh request."""
 WARMUP_SEED = 7777
-"""A migration that does not commit (e.g. a destination engine too slow to answer its health checks
-on a loaded machine) is measured again with a fresh request."""
+SOAK_PROMPT = 1024
+SOAK_HOP_TOKENS = 8
+"""Tokens the soak request decodes between two migrations."""
 LLAMA7B_FLOP_PER_TOKEN = 14e9
 LLAMA7B_KV_BYTES_PER_TOKEN = 512 * 1024
 
@@ -62,6 +75,7 @@ LLAMA7B_KV_BYTES_PER_TOKEN = 512 * 1024
 class Row:
     length: int
     live_downtime_ms: float
+    live_downtime_max_ms: float
     live_total_ms: float
     live_stages: float
     blocking_downtime_ms: float
@@ -71,6 +85,10 @@ class Row:
     destination_step_ms: float
     """The moved request's decode step at the destination after its first token there (the normal
     inter-token time at that length, which its first step after the move also takes)."""
+    attempts: int
+    """Migrations tried for this length's live and blocking rows; the ones that did not commit are in
+    `not_committed`."""
+    not_committed: dict[str, int]
 
 
 class Node:
@@ -103,13 +121,17 @@ class Ticker:
         self.times: list[float] = []
 
     async def run(self, node: Node, request_id: str, body: dict[str, Any] | None = None,
-                  attach: bool = False) -> None:
+                  attach: bool = False, stop_after: int | None = None) -> None:
+        """Reads the request's tokens (all, or `stop_after` of them, then aborts it)."""
         request = (pb.GenerateRequest(request_id=request_id, attach=True) if attach else
                    pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
                                       body_json=json.dumps(body)))
         call = node.api.Generate(request)
         async for message in call:
             self.times.extend(time.perf_counter() for _ in message.chunk.token_ids)
+            if stop_after is not None and len(self.times) >= stop_after:
+                await node.api.Abort(pb.AbortRequest(request_id=request_id))
+                stop_after = None
 
     def mean_gap_ms(self, start: float, end: float) -> float:
         inside = [t for t in self.times if start <= t <= end]
@@ -123,7 +145,8 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
     """Starts a request of `length - DECODE_BEFORE_MOVE` prompt tokens on the source, moves it after
     DECODE_BEFORE_MOVE tokens and lets it finish at the destination; also its mean step time there."""
     request_id = f"bench-{length}-{seed}-{time.monotonic_ns()}"
-    body = _body(_prompt(seed, length - DECODE_BEFORE_MOVE, vocab), DECODE_BEFORE_MOVE + DECODE_AFTER_MOVE)
+    body = _body(_prompt(seed, length - DECODE_BEFORE_MOVE, vocab),
+                 DECODE_BEFORE_MOVE + DECODE_AFTER_MOVE + HEADROOM)
     call = source.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
                                                   body_json=json.dumps(body)))
     tokens = 0
@@ -137,11 +160,13 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
                 destination_instance_id=destination.pair.config.instance_id,
                 destination_address=destination.pair.grpc_address, request_id=request_id), timeout=600)
             ended = time.perf_counter()
+            if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
+                await source.api.Abort(pb.AbortRequest(request_id=request_id))
     assert result is not None
     rest = Ticker()
     if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
         try:
-            await rest.run(destination, request_id, attach=True)
+            await rest.run(destination, request_id, attach=True, stop_after=DECODE_AFTER_MOVE)
         except grpc.aio.AioRpcError as exc:  # the destination failed the request after its first token
             tqdm.write(f"{length} tokens: the moved request failed at the destination ({exc.details()})")
             result.outcome = mpb.MIGRATION_OUTCOME_ABORTED
@@ -152,11 +177,12 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
 
 
 async def _migrate_beside_other(source: Node, destination: Node, length: int, seed: int, vocab: int,
-                                other_tokens: int
+                                other_tokens: int, outcomes: Counter[str]
                                 ) -> tuple[mpb.MigrateOutResponse, tuple[float, float, float]]:
-    """One migration while another request decodes on the source (the same load for every mode);
-    also that request's mean step time in the second before and during the migration, and the moved
-    request's step time at the destination."""
+    """One migration while another request decodes on the source (the same load for every mode), tried
+    up to MAX_ATTEMPTS times until one commits (each attempt's outcome counted in `outcomes`); also that
+    request's mean step time in the second before and during the migration, and the moved request's
+    step time at the destination. The result is the last attempt's, committed or not."""
     ticker = Ticker()
     other_id = f"other-{length}-{seed}"
     other_body = _body(_prompt(seed + 9, 64, vocab), other_tokens)
@@ -166,12 +192,10 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
         for attempt in range(MAX_ATTEMPTS):
             result, started, ended, destination_step_ms = await _migrate_once(
                 source, destination, length, seed + 1000 * attempt, vocab)
+            outcomes[mpb.MigrationOutcome.Name(result.outcome).removeprefix("MIGRATION_OUTCOME_")] += 1
             if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
                 break
-            tqdm.write(f"{length} tokens: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason}); "
-                       "measuring again")
-        else:
-            raise RuntimeError(f"no migration of {length} tokens committed in {MAX_ATTEMPTS} attempts")
+            tqdm.write(f"{length} tokens: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason})")
     finally:
         await source.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(other, return_exceptions=True)
@@ -192,41 +216,119 @@ async def _recompute_ms(session: aiohttp.ClientSession, node: Node, length: int,
     raise RuntimeError("the engine streamed no token")
 
 
-async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], TinyModelRecipe]:
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of `values`; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclasses.dataclass
+class Soak:
+    migrations: int
+    outcomes: dict[str, int]
+    downtime_ms: list[float]
+    duration_ms: list[float]
+
+
+async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, max_model_len: int) -> Soak:
+    """`count` migrations in a row of one request of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
+    while another request decodes on each engine."""
+    tickers = [Ticker(), Ticker()]
+    others = [asyncio.create_task(ticker.run(node, f"soak-other-{i}", _body(_prompt(900 + i, 64, vocab),
+                                                                              other_tokens)))
+              for i, (ticker, node) in enumerate(zip(tickers, (a, b), strict=True))]
+    body = _body(_prompt(4242, SOAK_PROMPT, vocab), max_model_len - SOAK_PROMPT - 8)
+    request_id = f"soak-{time.monotonic_ns()}"
+    here, there = a, b
+    outcomes: Counter[str] = Counter()
+    downtime: list[float] = []
+    duration: list[float] = []
+    tokens = 0
+    call = here.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
+                                                body_json=json.dumps(body)))
+    try:
+        for _ in tqdm(range(count), desc="soak", unit="migration"):
+            target = tokens + SOAK_HOP_TOKENS
+            async for message in call:
+                tokens += len(message.chunk.token_ids)
+                if tokens >= target:
+                    break
+            result = await here.migration.MigrateOut(mpb.MigrateOutRequest(
+                destination_instance_id=there.pair.config.instance_id,
+                destination_address=there.pair.grpc_address, request_id=request_id), timeout=600)
+            outcomes[mpb.MigrationOutcome.Name(result.outcome).removeprefix("MIGRATION_OUTCOME_")] += 1
+            if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
+                tqdm.write(f"soak: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason})")
+                continue  # the request is still here: try again after the next tokens
+            downtime.append(result.downtime_ms)
+            duration.append(result.duration_ms)
+            async for message in call:  # the rest of the stream up to Moved
+                tokens += len(message.chunk.token_ids)
+            here, there = there, here
+            call = here.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True))
+    finally:
+        call.cancel()
+        for node, other in zip((a, b), others, strict=True):
+            await node.api.Abort(pb.AbortRequest(request_id=request_id))
+            await node.api.Abort(pb.AbortRequest(request_id=f"soak-other-{(a, b).index(node)}"))
+            await asyncio.gather(other, return_exceptions=True)
+    return Soak(count, dict(outcomes), downtime, duration)
+
+
+async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak | None, TinyModelRecipe]:
     lengths = [int(x) for x in args.lengths.split(",")]
-    recipe = dataclasses.replace(PRESETS[MODELS[args.model]], max_position_embeddings=max(lengths) + 256)
+    longest = max(max(lengths), SOAK_PROMPT + args.soak * (SOAK_HOP_TOKENS + 8) if args.soak else 0)
+    max_model_len = longest + DECODE_AFTER_MOVE + HEADROOM + 64
+    recipe = dataclasses.replace(PRESETS[MODELS[args.model]], max_position_embeddings=max_model_len + 64)
     model_dir = ensure_tiny_model(REPO / ".cache" / "models", recipe)
-    config = {"model_dir": model_dir, "max_model_len": max(lengths) + 128, "kv_cache_gib": args.kv_cache_gib,
+    config = {"model_dir": model_dir, "max_model_len": max_model_len, "kv_cache_gib": args.kv_cache_gib,
               "shutdown_grace_s": 5.0, "engine_start_timeout_s": 600.0}
     pairs = [EnginePair(PairConfig(instance_id=name, work_dir=work / name, **config)) for name in ("a", "b")]
     await asyncio.gather(*(p.start() for p in pairs))
     a, b = Node(pairs[0]), Node(pairs[1])
-    other_tokens = int(config["max_model_len"]) - 80  # runs through every migration of a length
+    other_tokens = max_model_len - 80  # runs through every migration of a length
     live: dict[int, list[mpb.MigrateOutResponse]] = {n: [] for n in lengths}
     blocking: dict[int, list[float]] = {n: [] for n in lengths}
     recompute: dict[int, list[float]] = {n: [] for n in lengths}
     slowdown: dict[int, list[tuple[float, float, float]]] = {n: [] for n in lengths}
+    outcomes: dict[int, Counter[str]] = {n: Counter() for n in lengths}
+    soak: Soak | None = None
+
+    def committed(result: mpb.MigrateOutResponse) -> bool:
+        return result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED
+
     try:
         progress = tqdm(total=len(lengths) * args.repeats * 2, desc="migrations", unit="run")
         async with aiohttp.ClientSession() as session:
             # Not measured: an engine's first migrated-in request and first prefill pay one-off
             # initialisation (hundreds of ms on CPU), which would land on whichever length runs first.
-            await _migrate_beside_other(a, b, lengths[0], WARMUP_SEED, recipe.vocab_size, other_tokens)
+            await _migrate_beside_other(a, b, lengths[0], WARMUP_SEED, recipe.vocab_size, other_tokens,
+                                        Counter())
             await _recompute_ms(session, b, lengths[0], WARMUP_SEED, recipe.vocab_size)
             for length in lengths:
                 for seed in range(args.repeats):
                     result, gaps = await _migrate_beside_other(a, b, length, seed, recipe.vocab_size,
-                                                               other_tokens)
-                    live[length].append(result)
-                    slowdown[length].append(gaps)
+                                                               other_tokens, outcomes[length])
+                    if committed(result):
+                        live[length].append(result)
+                        slowdown[length].append(gaps)
                     recompute[length].append(await _recompute_ms(session, b, length, seed, recipe.vocab_size))
                     progress.update()
+            if args.soak:
+                soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens, max_model_len)
             await a.restart_llumlet("--migration-max-stages", "0")
             for length in lengths:
                 for seed in range(args.repeats):
                     result, _ = await _migrate_beside_other(a, b, length, seed + 100, recipe.vocab_size,
-                                                            other_tokens)
-                    blocking[length].append(result.downtime_ms)
+                                                            other_tokens, outcomes[length])
+                    if committed(result):
+                        blocking[length].append(result.downtime_ms)
                     progress.update()
         progress.close()
     finally:
@@ -235,16 +337,37 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Tiny
         await asyncio.gather(*(p.stop() for p in pairs), return_exceptions=True)
     rows = [Row(
         length=n,
-        live_downtime_ms=statistics.median(r.downtime_ms for r in live[n]),
-        live_total_ms=statistics.median(r.duration_ms for r in live[n]),
-        live_stages=statistics.median(r.stages for r in live[n]),
-        blocking_downtime_ms=statistics.median(blocking[n]),
-        recompute_ms=statistics.median(recompute[n]),
-        source_step_ms_before=statistics.median(s[0] for s in slowdown[n]),
-        source_step_ms_during=statistics.median(s[1] for s in slowdown[n]),
-        destination_step_ms=statistics.median(s[2] for s in slowdown[n]),
+        live_downtime_ms=_median([r.downtime_ms for r in live[n]]),
+        live_downtime_max_ms=max((r.downtime_ms for r in live[n]), default=float("nan")),
+        live_total_ms=_median([r.duration_ms for r in live[n]]),
+        live_stages=_median([r.stages for r in live[n]]),
+        blocking_downtime_ms=_median(blocking[n]),
+        recompute_ms=_median(recompute[n]),
+        source_step_ms_before=_median([s[0] for s in slowdown[n]]),
+        source_step_ms_during=_median([s[1] for s in slowdown[n]]),
+        destination_step_ms=_median([s[2] for s in slowdown[n]]),
+        attempts=sum(outcomes[n].values()),
+        not_committed={k: v for k, v in outcomes[n].items() if k != "COMMITTED"},
     ) for n in lengths]
-    return rows, recipe
+    return rows, soak, recipe
+
+
+def soak_report(soak: Soak) -> str:
+    def figures(values: list[float]) -> str:
+        return (f"{_median(values):.1f} / {_percentile(values, 0.99):.1f} / "
+                f"{max(values, default=float('nan')):.1f}")
+
+    outcomes = ", ".join(f"{name} {count}" for name, count in sorted(soak.outcomes.items()))
+    return "\n".join([
+        f"{soak.migrations} migrations in a row of one request of {SOAK_PROMPT}+ tokens, "
+        f"{SOAK_HOP_TOKENS} tokens apart, another request decoding on each engine: {outcomes}.",
+        "",
+        "| committed | downtime ms (median / P99 / max) | pair -> commit ms (median / P99 / max) "
+        "| over 1 s |",
+        "|---:|---:|---:|---:|",
+        f"| {len(soak.downtime_ms)} | {figures(soak.downtime_ms)} | {figures(soak.duration_ms)} | "
+        f"{sum(d > 1000 for d in soak.downtime_ms)} |",
+    ])
 
 
 def compute_per_kv_byte(recipe: TinyModelRecipe) -> tuple[float, int]:
@@ -266,14 +389,23 @@ def report(rows: list[Row], recipe: TinyModelRecipe, model: str) -> str:
         f"({ratio:.0f} FLOP per KV byte; LLaMA-7B: {llama:.0f}, {llama / ratio:.1f}x more compute per byte "
         f"moved, so recompute costs relatively that much more there).",
         "",
-        "| tokens | live downtime ms | live total ms | stages | blocking copy downtime ms | recompute ms "
-        "| source step ms (before / during) | destination step ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | live downtime ms (median / max) | live total ms | stages | blocking copy downtime ms "
+        "| recompute ms | source step ms (before / during) | destination step ms | not committed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    lines += [f"| {r.length} | {r.live_downtime_ms:.1f} | {r.live_total_ms:.1f} | {r.live_stages:.0f} | "
-              f"{r.blocking_downtime_ms:.1f} | {r.recompute_ms:.1f} | {r.source_step_ms_before:.1f} / "
-              f"{r.source_step_ms_during:.1f} | {r.destination_step_ms:.1f} |" for r in rows]
+    lines += [f"| {r.length} | {r.live_downtime_ms:.1f} / {r.live_downtime_max_ms:.1f} "
+              f"| {r.live_total_ms:.1f} | {r.live_stages:.0f} | {r.blocking_downtime_ms:.1f} "
+              f"| {r.recompute_ms:.1f} | {r.source_step_ms_before:.1f} / {r.source_step_ms_during:.1f} "
+              f"| {r.destination_step_ms:.1f} | {_not_committed(r)} |" for r in rows]
     return "\n".join(lines)
+
+
+def _not_committed(row: Row) -> str:
+    failed = sum(row.not_committed.values())
+    if not failed:
+        return f"0 of {row.attempts}"
+    reasons = ", ".join(f"{name} {count}" for name, count in sorted(row.not_committed.items()))
+    return f"{failed} of {row.attempts}: {reasons}"
 
 
 def plot(rows: list[Row], model: str, path: Path) -> None:
@@ -305,18 +437,26 @@ def main() -> int:
     parser.add_argument("--lengths", default="256,1024,2048,4096,8192", help="comma-separated token counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--soak", type=int, default=0, metavar="N",
+                        help="then N migrations in a row of one request under background decoding (0: none)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' and llumlets' logs here "
                         "(default: a temporary directory)")
     args = parser.parse_args()
     if args.work_dir is not None:
-        rows, recipe = asyncio.run(measure(args, args.work_dir))
+        rows, soak, recipe = asyncio.run(measure(args, args.work_dir))
     else:
         with tempfile.TemporaryDirectory(prefix="llumnix-migration-bench-") as tmp:
-            rows, recipe = asyncio.run(measure(args, Path(tmp)))
+            rows, soak, recipe = asyncio.run(measure(args, Path(tmp)))
     text = report(rows, recipe, args.model)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
+    if soak is not None:
+        soak_text = soak_report(soak)
+        print("\n" + soak_text)
+        (args.out / f"migration_soak_{args.model}.md").write_text(soak_text + "\n")
+        (args.out / f"migration_soak_{args.model}.json").write_text(
+            json.dumps(dataclasses.asdict(soak), indent=2) + "\n")
     (args.out / f"migration_downtime_{args.model}.md").write_text(text + "\n")
     (args.out / f"migration_downtime_{args.model}.json").write_text(
         json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")

@@ -67,6 +67,8 @@ class _Progress:
     staged_tokens: int = 0
     bytes: int = 0
     proposed: bool = False
+    renewed: float = 0.0
+    """When the destination's lease was last renewed (Propose starts it)."""
     downtime_ms: float = 0.0
     final_stage_ms: float = 0.0
     """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
@@ -154,6 +156,9 @@ class Source:
             record = self._choose(request)
         except MigrationFailed as exc:
             self.metrics.migrations.labels("out", mpb.MigrationOutcome.Name(exc.outcome)).inc()
+            logger.info("migration out not started", extra={
+                "request_id": request.request_id, "outcome": mpb.MigrationOutcome.Name(exc.outcome),
+                "reason": exc.reason, "destination": request.destination_instance_id})
             return mpb.MigrateOutResponse(outcome=exc.outcome, request_id=request.request_id,
                                           reason=exc.reason)
         progress = _Progress(f"{self.instance_id}-{uuid.uuid4().hex[:12]}", record,
@@ -248,6 +253,7 @@ class Source:
         if not answer.accepted:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, f"the destination refused: {answer.reason}")
         progress.proposed = True
+        progress.renewed = time.monotonic()
         return answer
 
     def _blocks_left(self, progress: _Progress) -> int:
@@ -268,6 +274,11 @@ class Source:
             progress.stages += 1
             progress.staged_tokens = max(progress.staged_tokens, event.num_tokens)
             progress.bytes += event.bytes
+            # A stage the destination engine acknowledged shows it alive; its llumlet's lease needs
+            # renewing only now and then, not one more round trip per stage.
+            if time.monotonic() - progress.renewed < answer.lease_ms / 4000:
+                continue
+            progress.renewed = time.monotonic()
             try:
                 renewed = await progress.destination.Renew(
                     mpb.RenewMigrationRequest(migration_id=progress.migration_id, stages=progress.stages,

@@ -54,9 +54,9 @@ pytestmark = [
 
 StartRouter = Callable[..., Awaitable[Router]]
 MODEL = "tiny"
-A_MAX_MODEL_LEN = 2048  # the tiny model's max_position_embeddings
-B_MAX_MODEL_LEN = 1024
-LONG = 900
+A_MAX_MODEL_LEN = 4096  # long_context_tiny_model_dir's max_position_embeddings
+B_MAX_MODEL_LEN = 2048
+LONG = 1900
 """max_tokens of a migrated request: it runs on either engine and decodes hundreds of steps beyond
 what the test reads, whatever the machine's speed."""
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
@@ -94,9 +94,10 @@ class Node:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def nodes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+async def nodes(long_context_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> AsyncIterator[tuple[Node, Node]]:
     work = tmp_path_factory.mktemp("migration-vllm")
+    tiny_model_dir = long_context_tiny_model_dir
     pairs = [EnginePair(PairConfig(instance_id="a", work_dir=work / "a", model_dir=tiny_model_dir,
                                    max_model_len=A_MAX_MODEL_LEN, shutdown_grace_s=5.0,
                                    llumlet_args=LLUMLET_ARGS, engine_start_timeout_s=900.0)),
@@ -232,6 +233,9 @@ async def _migrated_run(nodes: tuple[Node, Node], request_id: str, body: dict[st
         result = await _migrate(here, there, request_id)
         results.append(result)
         if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
+            load = await here.api.GetLoad(pb.GetLoadRequest())
+            result.reason += (f" [hop {hop}: {len(run.tokens)} tokens read, stream ended: {run.done}, "
+                              f"running there: {[r.request_id for r in load.running]}]")
             break
         await run.follow(there)
         here, there = there, here
@@ -247,9 +251,10 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
     expected = await asyncio.gather(*(_generate(a, f"ref-{i}", _body(i, prompt, want))
                                       for i, (prompt, want) in enumerate(zip(prompts, wants, strict=True))))
     background = [Run.start(node, f"bg-{node.pair.config.instance_id}-{i}", _body(100 + i, 32, LONG))
-                  for i in range(3) for node in (a, b)]
-    # At most as many requests migrate at once as an instance takes (LLUMLET_ARGS): none waits for a slot.
-    slots = asyncio.Semaphore(4)
+                  for i in range(2) for node in (a, b)]
+    # Fewer requests migrate at once than an instance takes (LLUMLET_ARGS): none waits for a slot, and
+    # on a loaded 2-core machine a migration still ends within the hundreds of steps LONG leaves.
+    slots = asyncio.Semaphore(2)
 
     async def migrated(i: int) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
         order = (a, b) if i % 2 == 0 else (b, a)
@@ -269,7 +274,7 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
                 if sum(r.outcome == mpb.MIGRATION_OUTCOME_COMMITTED for r in results) == 2)
     # Every migration of a running request into an instance with room commits.
     assert len(committed) == sum(2 if i % 3 == 0 else 1 for i in range(count)), \
-        [r for _, results in outcomes for r in results]
+        [r for _, results in outcomes for r in results if r.outcome != mpb.MIGRATION_OUTCOME_COMMITTED]
     assert twice == sum(1 for i in range(count) if i % 3 == 0)
     assert all(r.migrated_tokens > 0 and r.bytes > 0 for r in committed)
     for (tokens, results), want in zip(outcomes, expected, strict=True):
@@ -294,7 +299,7 @@ async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
     a, b = nodes
     expected = await _generate(a, "rref", _body(8, 40, 200))
     # Asks for more than B's context: B fails the resumed request at commit.
-    tokens, results = await _migrated_run((a, b), "resume", _body(8, 40, 1500), 1, [80], 200)
+    tokens, results = await _migrated_run((a, b), "resume", _body(8, 40, 3000), 1, [80], 200)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
     assert tokens == expected
     await _wait_idle(a)
@@ -345,8 +350,9 @@ class GatedDestination(migration_pb2_grpc.LlumletMigrationServicer):
         self.receiver = TcpKVReceiver("127.0.0.1", staging=self.staging)
         self.receiver.start()
         await self._pass("propose")
+        # A short lease: the source renews it after its first stages.
         return mpb.ProposeMigrationResponse(accepted=True, kv_address=self.receiver.address, transport="tcp",
-                                            lease_ms=10_000)
+                                            lease_ms=100)
 
     async def Renew(self, request: mpb.RenewMigrationRequest, context: Any) -> mpb.RenewMigrationResponse:
         await self._pass("renew")
@@ -380,12 +386,12 @@ async def test_a_request_ending_on_the_source_mid_migration_ends_the_migration(
     """The request finishes (its last token while Propose is pending) or is aborted by its caller
     (after a KV stage was sent): FINISHED_ON_SOURCE, the destination is told to abort, nothing leaks."""
     a, _ = nodes
-    await a.restart_llumlet()
+    await a.restart_llumlet(*STAGING_FOREVER)  # it stages (and renews) until the request ends
     destination, address = gated_destination
     # Natural finish: long enough to be running when MigrateOut arrives (one call after its 2nd token).
     run = Run.start(a, f"ends-{destination.gated}", _body(11, 40, 200 if ending == "finishes" else LONG))
     await run.until(2)
-    migration = asyncio.create_task(a.migration.MigrateOut(mpb.MigrateOutRequest(
+    migration = asyncio.ensure_future(a.migration.MigrateOut(mpb.MigrateOutRequest(
         destination_instance_id="gated", destination_address=address, request_id=run.request_id),
         timeout=120))
     async with asyncio.timeout(60):
@@ -399,7 +405,7 @@ async def test_a_request_ending_on_the_source_mid_migration_ends_the_migration(
     destination.gate.set()
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_FINISHED_ON_SOURCE, result
-    assert result.stages == (0 if ending == "finishes" else 1), result
+    assert (result.stages == 0) if ending == "finishes" else (result.stages >= 1), result
     assert destination.aborted == [result.migration_id]
     await _wait_idle(a)
 
@@ -467,7 +473,7 @@ async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes
     await a.restart_llumlet(*STAGING_FOREVER)
     # Long enough that it cannot finish before the failed stage is noticed: on a loaded 2-core machine
     # the source has taken over 10 s to see the dead receiver (an 800-token request finished first).
-    body = _body(9, 40, 2000)
+    body = _body(9, 40, 4000)
     expected = await _generate(a, "kref", body)
     run = Run.start(a, "kill", body)
     await run.until(10)

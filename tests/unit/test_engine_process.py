@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,3 +73,15 @@ async def test_engine_that_never_gets_healthy_is_stopped(tmp_path: Path):
         await engine.start(timeout_s=1)
     assert engine.returncode is not None  # the launcher killed it
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize(("device", "nice", "expected"), [("cpu", None, 5), ("gpu", None, 0), ("cpu", 2, 2)])
+async def test_engines_yield_the_cpu_to_the_token_path(tmp_path: Path, device: str, nice: int | None,
+                                                      expected: int):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho \"niceness $(nice)\"\nexit 3\n")
+    fake_python.chmod(0o755)
+    engine = EngineProcess(EngineLaunchConfig(model="m", port=9, python=str(fake_python), device=device,
+                                              nice=nice, log_path=tmp_path / "engine.log"))
+    with pytest.raises(EngineStartError, match=f"niceness {os.nice(0) + expected}"):
+        await engine.start(timeout_s=30)
