@@ -53,11 +53,14 @@ def encode_message(message: KVStageHeader | KVStageAck) -> bytes:
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytearray:
+    """`size` bytes. MSG_WAITALL lets the kernel gather a whole payload in one call: each call returns
+    through the engine process's GIL, which its model thread holds between steps' ops, so a payload
+    read in 64 KiB pieces waited for the GIL once per piece."""
     buffer = bytearray(size)
     view = memoryview(buffer)
     received = 0
     while received < size:
-        count = sock.recv_into(view[received:], size - received)
+        count = sock.recv_into(view[received:], size - received, socket.MSG_WAITALL)
         if count == 0:
             raise ConnectionError(f"peer closed the connection after {received} of {size} bytes")
         received += count
@@ -279,6 +282,13 @@ class TcpKVSender(KVSender):
         except OSError as exc:
             raise KVTransportError(f"cannot connect to KV receiver {self.address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A blocking socket with kernel timeouts: a frame goes out in one send call (a Python-level
+        # timeout makes the socket non-blocking, and every partial send then waits for the GIL again).
+        sock.settimeout(None)
+        seconds, fraction = divmod(self.timeout_s, 1.0)
+        limit = struct.pack("ll", int(seconds), int(fraction * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
         return sock
 
     def _drop_connection(self) -> None:
@@ -301,8 +311,11 @@ class TcpKVSender(KVSender):
                     self._drop_connection()
                     if reused and attempt == 1:
                         continue
+                    # The kernel's send/receive timeout surfaces as EAGAIN.
+                    timed_out = isinstance(exc, BlockingIOError)
+                    reason = f"timed out after {self.timeout_s:g} s" if timed_out else exc
                     raise KVTransportError(
-                        f"stage {header.stage} of {header.migration_id} to {self.address} failed: {exc}"
+                        f"stage {header.stage} of {header.migration_id} to {self.address} failed: {reason}"
                     ) from exc
             if not ack.ok:
                 raise KVTransportError(f"{self.address} refused stage {header.stage}: {ack.error}")

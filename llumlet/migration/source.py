@@ -69,6 +69,10 @@ class _Progress:
     proposed: bool = False
     renewed: float = 0.0
     """When the destination's lease was last renewed (Propose starts it)."""
+    stages_ms: float = 0.0
+    """Time in the live stages: each from its export command to its STAGE_SENT event."""
+    send_ms: float = 0.0
+    """Of that, sending the stages' frames to the destination engine (until its acknowledgement)."""
     downtime_ms: float = 0.0
     final_stage_ms: float = 0.0
     """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
@@ -193,7 +197,8 @@ class Source:
             "bytes": progress.bytes, "staged_tokens": progress.staged_tokens,
             "downtime_ms": round(progress.downtime_ms, 2),
             "final_stage_ms": round(progress.final_stage_ms, 2),
-            "commit_ms": round(progress.commit_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
+            "commit_ms": round(progress.commit_ms, 2), "stages_ms": round(progress.stages_ms, 2),
+            "send_ms": round(progress.send_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
         return mpb.MigrateOutResponse(
             outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
             stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
@@ -269,8 +274,11 @@ class Source:
                       events: asyncio.Queue[MigrationEvent]) -> None:
         while (progress.stages < self.settings.max_stages
                and self._blocks_left(progress) > self.settings.final_delta_blocks):
+            asked = time.monotonic()
             await self._export(progress, answer, final=False)
             event = await self._stage_sent(progress, events, final=False)
+            progress.stages_ms += (time.monotonic() - asked) * 1e3
+            progress.send_ms += event.send_ms
             progress.stages += 1
             progress.staged_tokens = max(progress.staged_tokens, event.num_tokens)
             progress.bytes += event.bytes
