@@ -55,8 +55,8 @@ pytestmark = [
 StartRouter = Callable[..., Awaitable[Router]]
 MODEL = "tiny"
 A_MAX_MODEL_LEN = 4096  # long_context_tiny_model_dir's max_position_embeddings
-B_MAX_MODEL_LEN = 2048
-LONG = 1900
+B_MAX_MODEL_LEN = 3072
+LONG = 2900
 """max_tokens of a migrated request: it runs on either engine and decodes hundreds of steps beyond
 what the test reads, whatever the machine's speed."""
 STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-blocks", "0")
@@ -250,8 +250,8 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
     wants = [rng.randint(120, 200) for _ in range(count)]
     expected = await asyncio.gather(*(_generate(a, f"ref-{i}", _body(i, prompt, want))
                                       for i, (prompt, want) in enumerate(zip(prompts, wants, strict=True))))
-    background = [Run.start(node, f"bg-{node.pair.config.instance_id}-{i}", _body(100 + i, 32, LONG))
-                  for i in range(2) for node in (a, b)]
+    background = [Run.start(node, f"bg-{node.pair.config.instance_id}", _body(100 + i, 32, LONG))
+                  for i, node in enumerate((a, b))]
     # Fewer requests migrate at once than an instance takes (LLUMLET_ARGS): none waits for a slot, and
     # on a loaded 2-core machine a migration still ends within the hundreds of steps LONG leaves.
     slots = asyncio.Semaphore(2)
@@ -299,7 +299,7 @@ async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
     a, b = nodes
     expected = await _generate(a, "rref", _body(8, 40, 200))
     # Asks for more than B's context: B fails the resumed request at commit.
-    tokens, results = await _migrated_run((a, b), "resume", _body(8, 40, 3000), 1, [80], 200)
+    tokens, results = await _migrated_run((a, b), "resume", _body(8, 40, 4000), 1, [80], 200)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
     assert tokens == expected
     await _wait_idle(a)
@@ -432,7 +432,7 @@ async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
     lease_s = 2.0
     await b.restart_llumlet("--migration-lease", str(lease_s))
     await a.restart_llumlet("--migration-test-exit-at", exit_at, always=True)
-    body = _body(13, 40, 600)  # decodes for hundreds of steps after the migration starts
+    body = _body(13, 40, 2000)  # decodes for many seconds after the migration starts
     expected = await _generate(b, f"sref-{exit_at}", body)
     # Round robin sends the first request to "a", the source.
     router = await start_router([a.pair.grpc_address, b.pair.grpc_address], api=ApiSettings(model=MODEL),
