@@ -14,7 +14,7 @@ first step there is part of the downtime). One unmeasured migration and prefill 
 up (their first migrated-in request and first prefill pay one-off initialisation).
 
 A migration that does not commit is reported with its outcome and counted, never aborts the run.
-`--soak N` then moves one request of SOAK_PROMPT tokens back and forth N times in a row while another
+`--soak N` then moves requests of about SOAK_PROMPT tokens back and forth N times in a row while another
 request decodes on each engine, and prints the outcomes and the downtime's and duration's median, P99
 and maximum (docs/figures/migration_soak_<model>.md).
 
@@ -67,6 +67,9 @@ WARMUP_SEED = 7777
 SOAK_PROMPT = 1024
 SOAK_HOP_TOKENS = 8
 """Tokens the soak request decodes between two migrations."""
+SOAK_REFRESH_TOKENS = 512
+"""Once the soak request decoded this many tokens, a fresh one of SOAK_PROMPT tokens takes its place,
+so every migration moves a request of about SOAK_PROMPT tokens."""
 LLAMA7B_FLOP_PER_TOKEN = 14e9
 LLAMA7B_KV_BYTES_PER_TOKEN = 512 * 1024
 
@@ -236,24 +239,35 @@ class Soak:
     duration_ms: list[float]
 
 
-async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, max_model_len: int) -> Soak:
-    """`count` migrations in a row of one request of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
+async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> Soak:
+    """`count` migrations in a row of requests of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
     while another request decodes on each engine."""
-    tickers = [Ticker(), Ticker()]
-    others = [asyncio.create_task(ticker.run(node, f"soak-other-{i}", _body(_prompt(900 + i, 64, vocab),
-                                                                              other_tokens)))
-              for i, (ticker, node) in enumerate(zip(tickers, (a, b), strict=True))]
-    body = _body(_prompt(4242, SOAK_PROMPT, vocab), max_model_len - SOAK_PROMPT - 8)
-    request_id = f"soak-{time.monotonic_ns()}"
+    other_ids = [f"soak-other-{i}" for i in range(2)]
+    others = [asyncio.create_task(Ticker().run(node, other_id, _body(_prompt(900 + i, 64, vocab),
+                                                                       other_tokens)))
+              for i, (node, other_id) in enumerate(zip((a, b), other_ids, strict=True))]
     here, there = a, b
     outcomes: Counter[str] = Counter()
     downtime: list[float] = []
     duration: list[float] = []
+
+    def start(node: Node, serial: int) -> tuple[str, Any]:
+        request_id = f"soak-{serial}-{time.monotonic_ns()}"
+        body = _body(_prompt(4242 + serial, SOAK_PROMPT, vocab), SOAK_REFRESH_TOKENS + HEADROOM)
+        return request_id, node.api.Generate(pb.GenerateRequest(
+            request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))
+
+    serial = 0
+    request_id, call = start(here, serial)
     tokens = 0
-    call = here.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
-                                                body_json=json.dumps(body)))
     try:
         for _ in tqdm(range(count), desc="soak", unit="migration"):
+            if tokens >= SOAK_REFRESH_TOKENS:
+                await here.api.Abort(pb.AbortRequest(request_id=request_id))
+                call.cancel()
+                serial += 1
+                request_id, call = start(here, serial)
+                tokens = 0
             target = tokens + SOAK_HOP_TOKENS
             async for message in call:
                 tokens += len(message.chunk.token_ids)
@@ -265,7 +279,8 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, max
             outcomes[mpb.MigrationOutcome.Name(result.outcome).removeprefix("MIGRATION_OUTCOME_")] += 1
             if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
                 tqdm.write(f"soak: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason})")
-                continue  # the request is still here: try again after the next tokens
+                tokens = SOAK_REFRESH_TOKENS  # a fresh request next
+                continue
             downtime.append(result.downtime_ms)
             duration.append(result.duration_ms)
             async for message in call:  # the rest of the stream up to Moved
@@ -274,16 +289,16 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, max
             call = here.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True))
     finally:
         call.cancel()
-        for node, other in zip((a, b), others, strict=True):
-            await node.api.Abort(pb.AbortRequest(request_id=request_id))
-            await node.api.Abort(pb.AbortRequest(request_id=f"soak-other-{(a, b).index(node)}"))
-            await asyncio.gather(other, return_exceptions=True)
+        await here.api.Abort(pb.AbortRequest(request_id=request_id))
+        for node, other_id in zip((a, b), other_ids, strict=True):
+            await node.api.Abort(pb.AbortRequest(request_id=other_id))
+        await asyncio.gather(*others, return_exceptions=True)
     return Soak(count, dict(outcomes), downtime, duration)
 
 
 async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak | None, TinyModelRecipe]:
     lengths = [int(x) for x in args.lengths.split(",")]
-    longest = max(max(lengths), SOAK_PROMPT + args.soak * (SOAK_HOP_TOKENS + 8) if args.soak else 0)
+    longest = max(*lengths, SOAK_PROMPT + SOAK_REFRESH_TOKENS)
     max_model_len = longest + DECODE_AFTER_MOVE + HEADROOM + 64
     recipe = dataclasses.replace(PRESETS[MODELS[args.model]], max_position_embeddings=max_model_len + 64)
     model_dir = ensure_tiny_model(REPO / ".cache" / "models", recipe)
@@ -321,7 +336,7 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
                     recompute[length].append(await _recompute_ms(session, b, length, seed, recipe.vocab_size))
                     progress.update()
             if args.soak:
-                soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens, max_model_len)
+                soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens)
             await a.restart_llumlet("--migration-max-stages", "0")
             for length in lengths:
                 for seed in range(args.repeats):
@@ -359,8 +374,9 @@ def soak_report(soak: Soak) -> str:
 
     outcomes = ", ".join(f"{name} {count}" for name, count in sorted(soak.outcomes.items()))
     return "\n".join([
-        f"{soak.migrations} migrations in a row of one request of {SOAK_PROMPT}+ tokens, "
-        f"{SOAK_HOP_TOKENS} tokens apart, another request decoding on each engine: {outcomes}.",
+        f"{soak.migrations} migrations in a row of requests of {SOAK_PROMPT}-"
+        f"{SOAK_PROMPT + SOAK_REFRESH_TOKENS} tokens, {SOAK_HOP_TOKENS} tokens apart, another request "
+        f"decoding on each engine: {outcomes}.",
         "",
         "| committed | downtime ms (median / P99 / max) | pair -> commit ms (median / P99 / max) "
         "| over 1 s |",
