@@ -186,14 +186,19 @@ async def _migrate(source: Engine, destination: Engine, name: str, **resume: Any
     migration = {"migration_id": name, "request_id": name, "kv_address": destination.kv_address,
                  "transport": "tcp"}
 
+    sent: list[MigrationEvent] = []
+
     async def at_mark(count: int) -> None:
         if count < 40:
             await source.command(export_stage=ExportStage(**migration))
+            # Sent before the next mark: a client far behind the engine reaches its marks at once, and
+            # stages still pending when the request ends are superseded by the final one.
+            sent.append(await source.event(lambda e: e.migration_id == name))
         else:
             await source.command(export_final=ExportFinal(**migration))
 
     generated = await _stream_until(source, name, [10, 25, 40], at_mark)
-    sent = [await source.event(lambda e: e.migration_id == name)]
+    sent.append(await source.event(lambda e: e.migration_id == name))
     while not sent[-1].final:
         sent.append(await source.event(lambda e: e.migration_id == name))
     for event in sent:
