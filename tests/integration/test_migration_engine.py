@@ -55,10 +55,11 @@ pytestmark = [
 BLOCK_SIZE = 32
 PROMPT = [(17 * i + 5) % 250 + 3 for i in range(40)]  # 40 token ids: two blocks, the second partial
 MAX_TOKENS = 64
-STREAM_MAX_TOKENS = 400
-"""What a streamed (migrated) request asks for: it decodes for hundreds of steps past its last mark, so
-it is still running when the test's commands reach the engine, whatever the machine's speed; the
-client disconnects after the last mark (vLLM aborts it) and compares the first MAX_TOKENS tokens."""
+STREAM_MAX_TOKENS = 4000
+"""What a streamed (migrated) request asks for: it decodes for thousands of steps past its last mark,
+so it is still running when the test's commands reach the engine, whatever the machine's speed (a
+client under a CPU hog was seen 400 tokens behind its engine); the client disconnects after the last
+mark (vLLM aborts it) and compares the first MAX_TOKENS tokens."""
 
 
 @dataclass
@@ -107,7 +108,7 @@ async def _start(work: Path, name: str, model: Path, session: aiohttp.ClientSess
     addr = f"ipc://{work}/{name}.sock"
     process = EngineProcess(EngineLaunchConfig(
         model=model, port=free_port(), served_model_name="tiny", dtype="float32", block_size=BLOCK_SIZE,
-        max_model_len=512, snapshot_addr=addr, engine_id=name, log_path=work / f"{name}.log",
+        max_model_len=4096, snapshot_addr=addr, engine_id=name, log_path=work / f"{name}.log",
         connector_extra={"staging_lease_s": 60},
     ))
     await process.start(timeout_s=840)
@@ -117,11 +118,12 @@ async def _start(work: Path, name: str, model: Path, session: aiohttp.ClientSess
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+async def engines(long_context_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> AsyncIterator[tuple[Engine, Engine]]:
     work = tmp_path_factory.mktemp("migration")
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
-    started = await asyncio.gather(*(_start(work, name, tiny_model_dir, session) for name in ("a", "b")),
+    started = await asyncio.gather(*(_start(work, name, long_context_tiny_model_dir, session)
+                                     for name in ("a", "b")),
                                    return_exceptions=True)
     try:
         for result in started:
