@@ -1,6 +1,6 @@
 """Two CPU vLLM engines decoding side by side: tokens per second and the gaps between a stream's
 tokens, at 1 and 8 concurrent streams per engine, under the launcher's shm-queue reader bounds or
-vLLM's own (spin 1 s, recheck 5 s). This is the measurement behind llumlet/vllm_shm_wait.py.
+vLLM's own (spin 1 s, recheck 5 s). This is the measurement behind llumnix/engine/vllm_shm_wait.py.
 
     .venv/bin/python bench/cpu_engine_pair.py                       # the launcher's bounds
     .venv/bin/python bench/cpu_engine_pair.py --busy-s 1 --recheck-ms 5000   # vLLM's defaults
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import aiohttp
 
-from llumlet.engine_process import (
+from llumnix.engine.vllm_shm_wait import BUSY_ENV, RECHECK_ENV
+from llumnix.launch.engine_process import (
     SHM_READER_BUSY_S,
     SHM_READER_RECHECK_MS,
     EngineLaunchConfig,
     EngineProcess,
 )
-from llumlet.pair import free_port
-from llumlet.vllm_shm_wait import BUSY_ENV, RECHECK_ENV
+from llumnix.launch.pair import free_port
 from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ import aiohttp
 import grpc
 from tqdm import tqdm
 
-from llumlet.pair import EnginePair, PairConfig
+from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc

@@ -46,8 +46,8 @@ import aiohttp
 import grpc
 from tqdm import tqdm
 
-from llumlet.llumlet_process import LlumletProcess
-from llumlet.pair import EnginePair, PairConfig
+from llumnix.launch.llumlet_process import LlumletProcess
+from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.tiny_model import PRESETS, TinyModelRecipe, ensure_tiny_model
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc

@@ -31,14 +31,14 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     EngineCommandClient,
     MigrationEventSubscriber,
     control_address,
     events_address,
 )
-from llumlet.engine_process import EngineLaunchConfig, EngineProcess
-from llumlet.handshake import incompatibilities, read_handshake
+from llumnix.engine.handshake import incompatibilities, read_handshake
+from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOADED,
     MIGRATION_EVENT_KIND_STAGE_SENT,

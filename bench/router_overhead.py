@@ -24,8 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from llumlet.pair import EnginePair, PairConfig, free_port
 from llumnix.bench import BenchConfig, BenchResult, run_bench
+from llumnix.launch.pair import EnginePair, PairConfig, free_port
 from llumnix.traces import TraceRequest
 
 MODEL = "sim"

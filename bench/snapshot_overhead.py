@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from llumlet.engine_snapshot import EngineState, build_snapshot, capture_rows
-from llumlet.snapshots import SnapshotPublisher, SnapshotSubscriber
+from llumnix.engine.engine_snapshot import EngineState, build_snapshot, capture_rows
+from llumnix.engine.snapshots import SnapshotPublisher, SnapshotSubscriber
 
 
 def micro(sizes: list[int], repeats: int) -> None:
@@ -76,7 +76,7 @@ async def workload(url: str, concurrency: int, max_tokens: int) -> tuple[int, fl
 
 
 async def end_to_end(model: Path, concurrency: int, max_tokens: int, rounds: int) -> None:
-    from llumlet.engine_process import EngineLaunchConfig, EngineProcess
+    from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
 
     work = Path(tempfile.mkdtemp(prefix="llumnix-bench-"))
     results: dict[str, list[float]] = {}

@@ -9,10 +9,10 @@ import os
 import socket
 import sys
 
-from llumlet.jsonlog import configure_json_logging
 from llumlet.migration.settings import TEST_EXIT_POINTS, MigrationSettings
 from llumlet.server import Llumlet, LlumletConfig
-from llumlet.snapshots import SNAPSHOT_ADDR_ENV
+from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
+from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS
 from llumnix.policies.migration import SELECT_POLICIES
 

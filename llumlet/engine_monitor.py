@@ -10,7 +10,7 @@ from llumlet.admission import Admission
 from llumlet.engine_client import EngineHealth, EngineUnavailableError
 from llumlet.engine_metrics import MetricsFormatError, parse_engine_metrics
 from llumlet.load_tracker import LoadTracker
-from llumlet.snapshots import SnapshotSubscriber
+from llumnix.engine.snapshots import SnapshotSubscriber
 
 logger = logging.getLogger("llumlet.engine")
 

@@ -24,7 +24,7 @@ from llumlet.migration.coordinator import MigrationCoordinator
 from llumlet.migration.service import MigrationService
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
-from llumlet.snapshots import SnapshotSubscriber
+from llumnix.engine.snapshots import SnapshotSubscriber
 from llumnix.load import LoadModelConfig
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
 

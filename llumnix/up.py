@@ -25,12 +25,12 @@ from pathlib import Path
 from aiohttp import web
 from tqdm import tqdm
 
-from llumlet.jsonlog import configure_json_logging
 from llumnix.bench import BenchConfig, format_summary, run_bench
 from llumnix.control.admin_api import admin_app
 from llumnix.control.local_backend import LocalProcessBackend, pair_config
 from llumnix.control.loop import ControlLoop, outcome_name
 from llumnix.control.status import ControlEvent, ServiceStatus
+from llumnix.jsonlog import configure_json_logging
 from llumnix.router import cli as router_cli
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router, RouterConfig

@@ -11,7 +11,7 @@ import copy
 from pathlib import PurePosixPath
 from typing import Any
 
-from llumlet.engine_process import EngineLaunchConfig, build_command
+from llumnix.launch.engine_process import EngineLaunchConfig, build_command
 from llumnix.service_spec import ServiceSettings
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.naming import (
@@ -32,7 +32,7 @@ MODEL_MOUNT = "/model"
 INSTANCE_ID_ENV = "LLUMNIX_INSTANCE_ID"
 POD_IP_ENV = "POD_IP"
 KV_HOST_ENV = "LLUMNIX_KV_HOST"
-"""llumlet.kv_connector.KV_HOST_ENV (that module imports vLLM, which the operator's image lacks)."""
+"""llumnix.engine.kv_connector.KV_HOST_ENV (that module imports vLLM, which the operator's image lacks)."""
 POD_IP_REF = f"$({POD_IP_ENV})"
 """Expanded by the kubelet in args and env values (the downward API sets POD_IP)."""
 POD_IP_VAR = {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}

@@ -9,13 +9,13 @@ import logging
 from pathlib import Path
 
 from llumlet.admission import Admission
-from llumlet.handshake import default_handshake_path, read_handshake
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.destination import Destination
 from llumlet.migration.engine_link import EngineLink
 from llumlet.migration.settings import MigrationSettings
 from llumlet.migration.source import Source
+from llumnix.engine.handshake import default_handshake_path, read_handshake
 
 logger = logging.getLogger("llumlet.migration")
 

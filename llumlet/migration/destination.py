@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from llumlet.admission import Admission, AdmissionError, StreamEvent
-from llumlet.handshake import incompatibilities
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.engine_link import EngineLink
 from llumlet.migration.rules import resume_point
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
+from llumnix.engine.handshake import incompatibilities
 from llumnix.load import RequestLoad
+from llumnix.openai_replay import NotReplayable
 from llumnix.policies.migration import admits
-from llumnix.router.replay import NotReplayable
 from llumnix.v1 import llumlet_pb2
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.wire import endpoint_from_proto

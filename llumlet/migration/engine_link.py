@@ -1,4 +1,4 @@
-"""The llumlet's end of its engine's migration channel (llumlet/engine_channel.py): commands, and the
+"""The llumlet's end of its engine's migration channel (llumnix/engine/engine_channel.py): commands, and the
 engine's migration events sorted by migration id for the coordinator waiting on them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     EngineChannelError,
     EngineCommandClient,
     MigrationEventSubscriber,

@@ -1,7 +1,7 @@
 """Which running requests can move, and the request that continues one on another engine.
 
 A migrated request restarts on the destination as a completion whose prompt is the original prompt
-plus every token generated so far (`llumnix.router.replay.replay_body`), with the remaining
+plus every token generated so far (`llumnix.openai_replay.replay_body`), with the remaining
 max_tokens and min_tokens and the same sampling parameters. State the engine keeps beyond the token
 sequence does not survive that restart, so requests that depend on it are refused:
 - n > 1 / best_of > 1: several sequences share one request;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from llumlet.requests import RequestRecord, ResumePoint
-from llumnix.router.replay import NotReplayable, replay_body
+from llumnix.openai_replay import NotReplayable, replay_body
 
 _STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 

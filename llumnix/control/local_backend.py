@@ -1,5 +1,5 @@
 """Instances as local processes (local mode): each instance is an engine + llumlet pair
-(`llumlet.pair.EnginePair`), a CPU vLLM (runtime vllm-cpu or vllm, serving `model_dir`) or a sim
+(`llumnix.launch.pair.EnginePair`), a CPU vLLM (runtime vllm-cpu or vllm, serving `model_dir`) or a sim
 engine (runtime sim). READY once the pair is healthy; FAILED when its engine or llumlet exits or it
 cannot start."""
 
@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llumlet.pair import EnginePair, PairConfig
 from llumnix.control.backend import InstanceBackend, InstanceInfo, InstancePhase
+from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.service_spec import ServiceSettings, SpecError
 
 logger = logging.getLogger("llumnix.control.local")

@@ -12,7 +12,7 @@ import asyncio
 import socket
 from pathlib import Path
 
-from llumlet.jsonlog import configure_json_logging
+from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
 from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, POLICY_NAMES
 from llumnix.router.api import ApiSettings

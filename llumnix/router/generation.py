@@ -23,12 +23,12 @@ from typing import Any
 import grpc
 
 from llumnix.load import RequestLoad
+from llumnix.openai_replay import NotReplayable, remaining_max_tokens, replay_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
 from llumnix.router.dispatcher import DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
-from llumnix.router.replay import NotReplayable, remaining_max_tokens, replay_body
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.wire import chunk_from_proto, endpoint_to_proto
 

@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 
-from llumlet.snapshots import SNAPSHOT_ADDR_ENV
+from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.profile import DEFAULT_PROFILE, bundled_profiles
 from llumnix.sim_engine.migration import DEFAULT_KV_BYTES_PER_BLOCK
 from llumnix.sim_engine.server import SimEngineConfig, SimEngineServer

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llumlet.engine_snapshot import build_snapshot
+from llumnix.engine.engine_snapshot import build_snapshot
 from llumnix.sim.instance import SimInstance
 from llumnix.sim.request import FINISHED, SimRequest
 from llumnix.sim_engine.requests import GenerationRequest

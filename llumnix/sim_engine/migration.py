@@ -1,6 +1,6 @@
 """The sim engine's side of live migration, on the same channels as the vLLM connector: it answers the
-llumlet's commands (llumlet/engine_channel.py), sends KV stages of small fake payloads to the peer
-engine's receiver (llumlet/kv_transport.py), publishes migration events, and starts a migrated-in
+llumlet's commands (llumnix/engine/engine_channel.py), sends KV stages of small fake payloads to the peer
+engine's receiver (llumnix/engine/kv_transport.py), publishes migration events, and starts a migrated-in
 request with its staged tokens already computed. Its handshake record names the model and layout."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     EngineCommandServer,
     MigrationEventPublisher,
     control_address,
     events_address,
 )
-from llumlet.handshake import HANDSHAKE_SCHEMA_VERSION, default_handshake_path, write_handshake
-from llumlet.kv_transport import (
+from llumnix.engine.handshake import HANDSHAKE_SCHEMA_VERSION, default_handshake_path, write_handshake
+from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVSender,
     KVTransportError,

@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llumlet.snapshots import SnapshotPublisher
+from llumnix.engine.snapshots import SnapshotPublisher
 from llumnix.openai_request import add_openai_routes
 from llumnix.openai_stream import EndpointKind
 from llumnix.profile import load_profile

@@ -1,4 +1,4 @@
-"""The simulated instance's state in the KV connector's terms (`llumlet.engine_snapshot`), so that the
+"""The simulated instance's state in the KV connector's terms (`llumnix.engine.engine_snapshot`), so that the
 sim engine publishes the very `EngineSnapshot` the connector builds inside vLLM, with requests named
 by the llumlet's id."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from llumlet.engine_snapshot import EngineState, RequestRow
+from llumnix.engine.engine_snapshot import EngineState, RequestRow
 from llumnix.sim.instance import SimInstance
 from llumnix.sim.request import PREFILLING, RUNNING, WAITING, SimRequest
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from llumlet.pair import EnginePair, PairConfig
+from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.router.api import ApiSettings
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router, RouterConfig

@@ -21,11 +21,11 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from llumlet.engine_channel import EngineCommandClient, control_address
-from llumlet.engine_process import EngineLaunchConfig, EngineProcess
-from llumlet.handshake import read_handshake
-from llumlet.pair import free_port
-from llumlet.snapshots import SnapshotSubscriber
+from llumnix.engine.engine_channel import EngineCommandClient, control_address
+from llumnix.engine.handshake import read_handshake
+from llumnix.engine.snapshots import SnapshotSubscriber
+from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
+from llumnix.launch.pair import free_port
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
 pytestmark = [
@@ -218,8 +218,8 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llumlet.kv_blocks import KVBlockCopier
-    from llumlet.kv_transport import StagingStore, TcpKVReceiver
+    from llumnix.engine.kv_blocks import KVBlockCopier
+    from llumnix.engine.kv_transport import StagingStore, TcpKVReceiver
     from llumnix.v1.kv_transfer_pb2 import EngineCommand, ExportFinal
 
     record = read_handshake(engine.handshake_path)

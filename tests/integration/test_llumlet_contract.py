@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from llumlet.engine_metrics import parse_engine_metrics
-from llumlet.pair import EnginePair, PairConfig
+from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.load import blocks_for_tokens
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc

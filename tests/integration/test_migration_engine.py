@@ -20,16 +20,16 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     EngineCommandClient,
     MigrationEventSubscriber,
     control_address,
     events_address,
 )
-from llumlet.engine_process import EngineLaunchConfig, EngineProcess
-from llumlet.handshake import incompatibilities, read_handshake
-from llumlet.pair import free_port
-from llumlet.snapshots import SnapshotSubscriber
+from llumnix.engine.handshake import incompatibilities, read_handshake
+from llumnix.engine.snapshots import SnapshotSubscriber
+from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
+from llumnix.launch.pair import free_port
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOAD_FAILED,
     MIGRATION_EVENT_KIND_LOADED,

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from llumlet.pair import EnginePair
+from llumnix.launch.pair import EnginePair
 from llumnix.router.server import Router
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc

@@ -35,9 +35,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from llumlet.kv_transport import StagingStore, TcpKVReceiver
-from llumlet.llumlet_process import LlumletProcess
-from llumlet.pair import EnginePair, PairConfig, free_port
+from llumnix.engine.kv_transport import StagingStore, TcpKVReceiver
+from llumnix.launch.llumlet_process import LlumletProcess
+from llumnix.launch.pair import EnginePair, PairConfig, free_port
 from llumnix.router.api import ApiSettings
 from llumnix.router.server import Router
 from llumnix.v1 import llumlet_pb2 as pb

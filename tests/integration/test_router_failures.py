@@ -14,7 +14,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from llumlet.pair import EnginePair
+from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.generation import GenerationLimits
 from llumnix.router.server import Router

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from llumlet.pair import EnginePair
 from llumnix.bench import BenchConfig, run_bench
+from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router, RouterConfig

@@ -149,7 +149,7 @@ async def router_counter(session: aiohttp.ClientSession, service: Service, name:
 def engine_pid(service: Service, instance_id: str) -> int:
     """The vLLM API server of `instance_id` (its engine core runs in the same process group)."""
     for pid in processes_using(service.work_dir / instance_id / "snapshots.sock"):
-        if b"llumlet.vllm_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"llumnix.engine.vllm_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
             return pid
     raise AssertionError(f"no vLLM engine process for {instance_id}")
 

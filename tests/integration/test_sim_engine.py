@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from llumlet.engine_metrics import parse_engine_metrics
-from llumlet.snapshots import SnapshotSubscriber
+from llumnix.engine.snapshots import SnapshotSubscriber
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     ENGINE_COMMAND_SCHEMA_VERSION,
     EngineChannelError,
     EngineCommandClient,

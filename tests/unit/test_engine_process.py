@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llumlet.engine_process import EngineLaunchConfig, EngineProcess, EngineStartError, build_command
+from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess, EngineStartError, build_command
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -19,7 +19,7 @@ def test_cpu_command_and_environment():
                                 snapshot_addr="ipc:///tmp/e.sock", engine_id="e0",
                                 extra_args=("--max-num-batched-tokens", "512"), extra_env={"A": "b"})
     argv, env = build_command(config)
-    assert argv[:3] == [sys.executable, "-m", "llumlet.vllm_server"]
+    assert argv[:3] == [sys.executable, "-m", "llumnix.engine.vllm_server"]
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--port") == "8101"
     assert flag(argv, "--block-size") == "64" and flag(argv, "--max-model-len") == "256"
     assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--served-model-name") == "tiny"
@@ -27,7 +27,7 @@ def test_cpu_command_and_environment():
     assert argv[-2:] == ["--max-num-batched-tokens", "512"]
     transfer = json.loads(flag(argv, "--kv-transfer-config"))
     assert transfer["kv_connector"] == "LlumnixConnector"
-    assert transfer["kv_connector_module_path"] == "llumlet.kv_connector"
+    assert transfer["kv_connector_module_path"] == "llumnix.engine.kv_connector"
     assert transfer["kv_connector_extra_config"] == {"snapshot_addr": "ipc:///tmp/e.sock", "engine_id": "e0"}
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # whole GiB, rounded up

@@ -1,5 +1,5 @@
-from llumlet.engine_snapshot import EngineState, RequestRow, build_snapshot, waiting_order
-from llumlet.snapshots import SNAPSHOT_SCHEMA_VERSION
+from llumnix.engine.engine_snapshot import EngineState, RequestRow, build_snapshot, waiting_order
+from llumnix.engine.snapshots import SNAPSHOT_SCHEMA_VERSION
 
 
 def row(rid: str, *, queued: bool = False, preempted: bool = False, arrival: float = 0.0, blocks: int = 0,
@@ -48,7 +48,7 @@ def test_serialised_snapshot_round_trips():
 def test_capture_rows_reads_vllm_request_fields():
     from types import SimpleNamespace
 
-    from llumlet.engine_snapshot import capture_rows
+    from llumnix.engine.engine_snapshot import capture_rows
 
     running = SimpleNamespace(num_prompt_tokens=70, num_output_tokens=5, num_computed_tokens=74,
                               kv_transfer_params={"llumlet_id": "a", "high_priority": True},

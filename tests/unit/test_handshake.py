@@ -3,14 +3,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from llumlet.handshake import (
+from llumnix.engine.handshake import (
     default_handshake_path,
     handshake_record,
     incompatibilities,
     read_handshake,
     write_handshake,
 )
-from llumlet.kv_blocks import KVBlockCopier
+from llumnix.engine.kv_blocks import KVBlockCopier
 
 
 def record(block_size: int = 32, dtype=torch.float32, tp: int = 1, num_blocks: int = 8) -> dict:

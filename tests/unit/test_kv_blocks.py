@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from llumlet.kv_blocks import KVBlockCopier
+from llumnix.engine.kv_blocks import KVBlockCopier
 
 
 def make_caches(num_layers: int = 3, kernel_blocks: int = 16, page=(2, 32, 64), dtype=torch.float32,

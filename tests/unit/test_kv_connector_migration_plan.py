@@ -1,7 +1,7 @@
 """The connector's scheduler-side migration bookkeeping: command validation, which blocks each stage
 carries (full blocks once, the partial tail again), the final stage on finish, cancellation."""
 
-from llumlet.kv_migration_plan import MigrationPlan
+from llumnix.engine.kv_migration_plan import MigrationPlan
 from llumnix.v1.kv_transfer_pb2 import CancelExport, DropStaging, EngineCommand, ExportFinal, ExportStage
 
 BLOCK = 32

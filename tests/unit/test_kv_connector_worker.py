@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from llumlet.kv_blocks import KVBlockCopier
-from llumlet.kv_migration_plan import Destination, ExportItem
-from llumlet.kv_migration_worker import StageSender, StagingService
+from llumnix.engine.kv_blocks import KVBlockCopier
+from llumnix.engine.kv_migration_plan import Destination, ExportItem
+from llumnix.engine.kv_migration_worker import StageSender, StagingService
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
     MIGRATION_EVENT_KIND_STAGE_RECEIVED,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llumlet.kv_transport import (
+from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVTransportError,
     StagingStore,

@@ -15,9 +15,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from llumlet.pair import free_port
 from llumlet.server import Llumlet, LlumletConfig
-from llumlet.snapshots import SNAPSHOT_SCHEMA_VERSION, SnapshotPublisher
+from llumnix.engine.snapshots import SNAPSHOT_SCHEMA_VERSION, SnapshotPublisher
+from llumnix.launch.pair import free_port
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot

@@ -45,13 +45,13 @@ def test_vllm_engine_pod_runs_vllm_with_the_connector_and_the_llumlet_sidecar() 
     engine, llumlet = containers(pod)["engine"], containers(pod)["llumlet"]
     assert engine["image"] == "reg/llumnix-vllm:1" and llumlet["image"] == "reg/llumnix:1"
     argv = engine["command"] + engine["args"]
-    assert argv[:3] == ["python", "-m", "llumlet.vllm_server"]
+    assert argv[:3] == ["python", "-m", "llumnix.engine.vllm_server"]
     assert argv[argv.index("--model") + 1] == "/model"
     assert argv[argv.index("--served-model-name") + 1] == "llama-7b"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[-1] == "--max-model-len=4096"  # user args last: they win over the defaults
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_module_path"] == "llumlet.kv_connector"
+    assert kv["kv_connector_module_path"] == "llumnix.engine.kv_connector"
     assert kv["kv_connector_extra_config"]["snapshot_addr"] == SNAPSHOT_ADDR
     assert engine["resources"] == {
         "requests": {"nvidia.com/gpu": "2", "memory": "64Gi"},

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from llumnix.openai_replay import NotReplayable, remaining_max_tokens, replay_body
 from llumnix.openai_request import OpenAIRequestError
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
 from llumnix.router.api_keys import ApiKeyChecker, load_api_keys
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
 from llumnix.router.errors import RouterError
 from llumnix.router.instance_source import FileInstanceSource, parse_addresses
-from llumnix.router.replay import NotReplayable, remaining_max_tokens, replay_body
 from llumnix.router.stream_format import StreamFormat
 
 COMPLETION = EndpointKind.COMPLETION

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from llumlet.snapshots import SnapshotPublisher, SnapshotSubscriber
+from llumnix.engine.snapshots import SnapshotPublisher, SnapshotSubscriber
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
 

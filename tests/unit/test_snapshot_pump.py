@@ -2,9 +2,9 @@ import asyncio
 import time
 from pathlib import Path
 
-from llumlet.engine_snapshot import EngineState, RequestRow
-from llumlet.snapshot_pump import SnapshotPump
-from llumlet.snapshots import SnapshotPublisher, SnapshotSubscriber
+from llumnix.engine.engine_snapshot import EngineState, RequestRow
+from llumnix.engine.snapshot_pump import SnapshotPump
+from llumnix.engine.snapshots import SnapshotPublisher, SnapshotSubscriber
 
 
 def state(free: int, running: int = 0) -> EngineState:

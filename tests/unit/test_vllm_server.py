@@ -11,7 +11,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from llumlet.vllm_server import PrimedDecodeStream  # noqa: E402
+from llumnix.engine.vllm_server import PrimedDecodeStream  # noqa: E402
 
 
 def test_a_prompt_ending_mid_character_streams_only_the_new_text(tiny_model_dir: Path) -> None:

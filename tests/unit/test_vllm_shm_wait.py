@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from llumlet.engine_process import EngineLaunchConfig, build_command
-from llumlet.vllm_shm_wait import BUSY_ENV, RECHECK_ENV, bound_reader_waits, register
+from llumnix.engine.vllm_shm_wait import BUSY_ENV, RECHECK_ENV, bound_reader_waits, register
+from llumnix.launch.engine_process import EngineLaunchConfig, build_command
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,

@@ -3,7 +3,7 @@ destination engine pair gets its own two-rank NCCL communicator (vLLM's ctypes b
 `vllm.distributed.device_communicators.pynccl_wrapper.NCCLLibrary`), created once and reused for
 every later stage and migration between the two.
 
-Control stays on the TCP connection of llumlet/kv_transport.py (the destination's `kv_address`):
+Control stays on the TCP connection of llumnix/engine/kv_transport.py (the destination's `kv_address`):
 1. the sender's first frame is a hello (stage 0, dtype `nccl-unique-id`) whose 128-byte payload is a
    fresh `ncclUniqueId`; the receiver acks it and both call `ncclCommInitRank` (receiver rank 0, sender
    rank 1). The id travels in-band, so the llumlets' Propose needs no transport parameters.
@@ -21,7 +21,7 @@ import socket
 import threading
 from typing import Any
 
-from llumlet.kv_transport import (
+from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVSender,
     KVTransportError,

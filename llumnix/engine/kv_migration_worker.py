@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from llumlet.kv_migration_plan import Destination, ExportItem
-from llumlet.kv_transport import (
+from llumnix.engine.kv_migration_plan import Destination, ExportItem
+from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVReceiver,
     KVSender,

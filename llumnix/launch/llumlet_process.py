@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
-from llumlet.engine_process import log_tail
+from llumnix.launch.engine_process import log_tail
 
 
 class LlumletStartError(RuntimeError):

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from llumlet.snapshots import SNAPSHOT_SCHEMA_VERSION
+from llumnix.engine.snapshots import SNAPSHOT_SCHEMA_VERSION
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
 
 

@@ -11,7 +11,7 @@ up to 5 s late. Live migrations took 1-15 s (a destination is often idle just be
 downtimes of 1-10 s. With a 2 ms spin and a 2 ms recheck they took 40-90 ms with 22-44 ms of downtime,
 and two engines decoding side by side produced more tokens per second, not fewer (docs/migration.md).
 
-The launcher (llumlet/engine_process.py) turns it on by setting both variables; without them, or on a
+The launcher (llumnix/launch/engine_process.py) turns it on by setting both variables; without them, or on a
 vLLM without these internals, nothing changes.
 """
 

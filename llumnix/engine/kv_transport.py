@@ -1,10 +1,11 @@
 """The engine <-> engine KV data plane of live migration: the source engine's `KVSender` sends each stage
-(a `KVStageHeader` and the stage's KV transfer buffer, see llumlet/kv_blocks.py) to the destination
+(a `KVStageHeader` and the stage's KV transfer buffer, see llumnix/engine/kv_blocks.py) to the destination
 engine's `KVReceiver`, which keeps it in a `StagingStore` until the migrated request is loaded.
 
 TCP frame (proto/llumnix/v1/kv_transfer.proto): a 4-byte big-endian length, the serialized header,
 then header.payload_bytes raw bytes; the answer is a length-prefixed `KVStageAck`. Nothing is pickled.
-The NCCL transport (GPU to GPU) lives in llumlet/kv_transport_nccl.py and is imported only when asked for.
+The NCCL transport (GPU to GPU) lives in llumnix/engine/kv_transport_nccl.py and is imported only
+when asked for.
 """
 
 from __future__ import annotations
@@ -419,7 +420,7 @@ def make_sender(transport: str, address: str, params_json: str = "", timeout_s: 
     if transport in ("", "tcp"):
         return TcpKVSender(address, timeout_s=timeout_s)
     if transport == "nccl":
-        from llumlet.kv_transport_nccl import NcclKVSender
+        from llumnix.engine.kv_transport_nccl import NcclKVSender
 
         return NcclKVSender(address, params_json, timeout_s=timeout_s)
     raise ValueError(f"unknown KV transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
@@ -437,7 +438,7 @@ def make_receiver(
     if transport in ("", "tcp"):
         return TcpKVReceiver(host, port, staging=staging, on_stage=on_stage)
     if transport == "nccl":
-        from llumlet.kv_transport_nccl import NcclKVReceiver
+        from llumnix.engine.kv_transport_nccl import NcclKVReceiver
 
         return NcclKVReceiver(host, port, staging=staging, on_stage=on_stage)
     raise ValueError(f"unknown KV transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")

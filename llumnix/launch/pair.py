@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from llumlet.engine_process import EngineLaunchConfig, EngineProcess
-from llumlet.llumlet_process import LlumletProcess, LlumletProcessConfig
-from llumnix.sim_engine.process import SimEngineProcess
+from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
+from llumnix.launch.llumlet_process import LlumletProcess, LlumletProcessConfig
+from llumnix.launch.sim_engine_process import SimEngineProcess
 
 ENGINE_KINDS = ("vllm", "sim")
 

@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from llumlet.engine_snapshot import EngineState, build_snapshot
-from llumlet.snapshots import SnapshotPublisher
+from llumnix.engine.engine_snapshot import EngineState, build_snapshot
+from llumnix.engine.snapshots import SnapshotPublisher
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""`python -m llumlet.vllm_server ARGS`: vLLM's OpenAI API server (`vllm.entrypoints.openai.api_server`)
-with its detokenizer primed so that resumed requests do not repeat their prompt's text.
+"""`python -m llumnix.engine.vllm_server ARGS`: vLLM's OpenAI API server
+(`vllm.entrypoints.openai.api_server`) with its detokenizer primed so that resumed requests do not
+repeat their prompt's text.
 
 vLLM primes each request's incremental detokenizer with `tokenizers.decoders.DecodeStream(ids=prompt)`.
 When the prompt's text ends inside a multi-byte character, that stream (tokenizers 0.23) emits the

@@ -1,5 +1,5 @@
 """The local control channel between a llumlet and its engine for live migration (ZeroMQ, messages of
-proto/llumnix/v1/kv_transfer.proto), next to the snapshot socket of llumlet/snapshots.py:
+proto/llumnix/v1/kv_transfer.proto), next to the snapshot socket of llumnix/engine/snapshots.py:
 
 - commands: the llumlet's `EngineCommandClient` (REQ, asyncio) -> the engine's `EngineCommandServer`
   (REP, bound by the connector's scheduler side, answered on a daemon thread);

@@ -1,6 +1,6 @@
 """Run a sim engine as a child process (tests, benchmarks, local mode with `engine: sim`). The same
-interface as `llumlet.engine_process.EngineProcess`, so `llumlet.pair.EnginePair` starts either one
-next to a llumlet:
+interface as `llumnix.launch.engine_process.EngineProcess`, so `llumnix.launch.pair.EnginePair`
+starts either one next to a llumlet:
 
     engine = SimEngineProcess("sim-0", port, work_dir / "engine.log", "ipc:///tmp/sim-0.sock",
                               flags=("--time-scale", "10"))
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from llumlet.engine_process import log_tail, wait_healthy
+from llumnix.launch.engine_process import log_tail, wait_healthy
 
 
 class SimEngineProcess:

@@ -1,15 +1,15 @@
 """The llumnix KV connector: an out-of-tree vLLM v1 connector that vLLM loads with
 
     --kv-transfer-config '{"kv_connector": "LlumnixConnector",
-                           "kv_connector_module_path": "llumlet.kv_connector",
+                           "kv_connector_module_path": "llumnix.engine.kv_connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"snapshot_addr": "ipc:///run/llumnix/engine.sock"}}'
 
 Scheduler side: every engine step, capture the load state (block pool, tracked requests) and hand it
 to a `SnapshotPump` that publishes `EngineSnapshot`s to the llumlet. Requests are tracked by
 `kv_transfer_params["llumlet_id"]`, because vLLM rewrites the request ids the API server sees.
-It also answers the llumlet's migration commands (llumlet/engine_channel.py) and plans stages
-(llumlet/kv_migration_plan.py): ExportStage copies a running request's new blocks after the next step,
+It also answers the llumlet's migration commands (llumnix/engine/engine_channel.py) and plans stages
+(llumnix/engine/kv_migration_plan.py): ExportStage copies a running request's new blocks after the next step,
 ExportFinal keeps a finishing request's blocks (delayed free) until the rest is copied out.
 A migrated-in request (`kv_transfer_params["llumlet_migration_id"]`, `"llumlet_staged_tokens"`)
 reports its staged tokens as already computed, so only the last token is recomputed.
@@ -37,19 +37,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from llumlet.engine_channel import (
+from llumnix.engine.engine_channel import (
     EngineCommandServer,
     MigrationEventPublisher,
     control_address,
     events_address,
 )
-from llumlet.engine_snapshot import EngineState, capture_rows
-from llumlet.handshake import HANDSHAKE_PATH_ENV, default_handshake_path, handshake_record, write_handshake
-from llumlet.kv_blocks import KVBlockCopier
-from llumlet.kv_migration_plan import ExportItem, LoadItem, MigrationPlan
-from llumlet.kv_migration_worker import StageSender, StagingService
-from llumlet.snapshot_pump import SnapshotPump
-from llumlet.snapshots import SNAPSHOT_ADDR_ENV, SnapshotPublisher
+from llumnix.engine.engine_snapshot import EngineState, capture_rows
+from llumnix.engine.handshake import (
+    HANDSHAKE_PATH_ENV,
+    default_handshake_path,
+    handshake_record,
+    write_handshake,
+)
+from llumnix.engine.kv_blocks import KVBlockCopier
+from llumnix.engine.kv_migration_plan import ExportItem, LoadItem, MigrationPlan
+from llumnix.engine.kv_migration_worker import StageSender, StagingService
+from llumnix.engine.snapshot_pump import SnapshotPump
+from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV, SnapshotPublisher
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOAD_FAILED,
     MIGRATION_EVENT_KIND_LOADED,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # kv_blocks imports torch; llumlets and sim engines read records without it
-    from llumlet.kv_blocks import KVLayout
+    from llumnix.engine.kv_blocks import KVLayout
 
 HANDSHAKE_SCHEMA_VERSION = 1
 HANDSHAKE_PATH_ENV = "LLUMNIX_HANDSHAKE_PATH"

