@@ -32,10 +32,12 @@ class LlumletProcessConfig:
     host: str = "127.0.0.1"
     shutdown_grace_s: float = 30.0
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    module: str = "llumlet"
+    """What `python -m` runs: the llumlet, or a module that wraps its CLI (the fault-injection tests')."""
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "llumlet",
+            sys.executable, "-m", self.module,
             "--instance-id", self.instance_id,
             "--engine-url", self.engine_url,
             "--snapshot-addr", self.snapshot_addr,
