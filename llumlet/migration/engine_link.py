@@ -62,9 +62,9 @@ class EngineLink:
             raise EngineCommandRefused(reply.error or "refused")
 
     async def export_stage(self, migration_id: str, request_id: str, kv_address: str, transport: str,
-                           params_json: str, final: bool) -> None:
+                           final: bool) -> None:
         fields = {"migration_id": migration_id, "request_id": request_id, "kv_address": kv_address,
-                  "transport": transport, "transport_params_json": params_json}
+                  "transport": transport}
         if final:
             await self.command(EngineCommand(export_final=ExportFinal(**fields)))
         else:

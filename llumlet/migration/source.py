@@ -303,7 +303,7 @@ class Source:
         self._check_running(progress)
         try:
             await self.link.export_stage(progress.migration_id, progress.record.request_id, answer.kv_address,
-                                         answer.transport, answer.transport_params_json, final)
+                                         answer.transport, final)
         except EngineCommandRefused as exc:
             await self._fail(progress, f"the engine refused the export: {exc}")
 

@@ -22,7 +22,6 @@ OK = EngineCommandReply(ok=True)
 class Destination:
     kv_address: str
     transport: str
-    transport_params_json: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,6 @@ def _destination(command: object) -> Destination:
     return Destination(
         kv_address=command.kv_address,  # type: ignore[attr-defined]
         transport=command.transport or "tcp",  # type: ignore[attr-defined]
-        transport_params_json=command.transport_params_json,  # type: ignore[attr-defined]
     )
 
 

@@ -86,7 +86,7 @@ class StageSender:
                     ready.synchronize()
                 if sender is None:
                     sender = make_sender(destination.transport, destination.kv_address,
-                                         destination.transport_params_json, timeout_s=self._timeout_s)
+                                         timeout_s=self._timeout_s)
                 payload = transfer_payload(buffer, destination.transport)
                 sender.send(self._header(item), payload)
             except Exception as exc:  # every failure becomes a STAGE_FAILED event for the llumlet

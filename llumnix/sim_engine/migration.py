@@ -56,7 +56,6 @@ class _Export:
     request_id: str
     kv_address: str
     transport: str
-    params_json: str
     stage_pending: bool = False
     final: bool = False
     stages: int = 0
@@ -132,8 +131,7 @@ class SimMigrationAgent:
             if self._generation(spec.request_id) is None:
                 return EngineCommandReply(ok=False, error=f"no running request {spec.request_id!r}")
             export = self._exports.setdefault(spec.migration_id, _Export(
-                spec.migration_id, spec.request_id, spec.kv_address, spec.transport,
-                spec.transport_params_json))
+                spec.migration_id, spec.request_id, spec.kv_address, spec.transport))
             if kind == "export_final":
                 export.final = True
             else:
@@ -213,8 +211,7 @@ class SimMigrationAgent:
     def _sender(self, export: _Export) -> KVSender:
         sender = self._senders.get(export.kv_address)
         if sender is None:
-            sender = self._senders[export.kv_address] = make_sender(export.transport, export.kv_address,
-                                                                    export.params_json)
+            sender = self._senders[export.kv_address] = make_sender(export.transport, export.kv_address)
         return sender
 
     def _publish(self, kind: int, export: _Export, **fields: object) -> None:

@@ -22,32 +22,28 @@ MIGRATION_EVENT_KIND_LOADED: MigrationEventKind
 MIGRATION_EVENT_KIND_LOAD_FAILED: MigrationEventKind
 
 class ExportStage(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "transport_params_json")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
-    transport_params_json: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., transport_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ExportFinal(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "transport_params_json")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
-    transport_params_json: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., transport_params_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class CancelExport(_message.Message):
     __slots__ = ("migration_id",)

@@ -101,20 +101,18 @@ class ProposeMigrationRequest(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., request_id: _Optional[str] = ..., endpoint: _Optional[_Union[_llumlet_pb2.Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[_llumlet_pb2.Priority, str]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., handshake_json: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ProposeMigrationResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "kv_address", "transport", "transport_params_json", "lease_ms")
+    __slots__ = ("accepted", "reason", "kv_address", "transport", "lease_ms")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     kv_address: str
     transport: str
-    transport_params_json: str
     lease_ms: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., transport_params_json: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class RenewMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "stages", "staged_tokens")

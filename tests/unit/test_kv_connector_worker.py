@@ -36,7 +36,7 @@ def test_stages_travel_from_one_cache_into_another() -> None:
     staging = StagingService("tcp", "127.0.0.1", 0, layout.bytes_per_block, layout.dtype, 60, events.append)
     staging.start()
     sender = StageSender(layout.bytes_per_block, layout.dtype, events.append, timeout_s=5)
-    destination = Destination(staging.address, "tcp", "")
+    destination = Destination(staging.address, "tcp")
     request_blocks = (3, 7, 9)
     try:
         for stage, first, blocks, tokens, final in ((1, 0, (3, 7), 6, False), (2, 1, (7, 9), 10, True)):
@@ -64,7 +64,7 @@ def test_a_dead_destination_becomes_a_stage_failed_event() -> None:
     copier = KVBlockCopier(_cache(1), 16)
     events: list[MigrationEvent] = []
     sender = StageSender(copier.layout.bytes_per_block, copier.layout.dtype, events.append, timeout_s=1)
-    item = ExportItem("m", "r", "engine-r", 1, False, 0, (1,), 3, Destination("tcp://127.0.0.1:1", "tcp", ""))
+    item = ExportItem("m", "r", "engine-r", 1, False, 0, (1,), 3, Destination("tcp://127.0.0.1:1", "tcp"))
     sender.submit(item, copier.copy_out_block_major((1,)), copy_ms=0.1)
     _wait(events, 1)
     sender.close()
