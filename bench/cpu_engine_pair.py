@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+from bench_stats import percentile
 
 from llumnix.engine.vllm_shm_wait import BUSY_ENV, RECHECK_ENV
 from llumnix.launch.engine_process import (
@@ -46,11 +46,6 @@ async def _stream(session: aiohttp.ClientSession, url: str, tokens: int) -> tupl
     return count, gaps[1:]
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
-
-
 async def measure(args: argparse.Namespace, work: Path) -> None:
     model = ensure_tiny_model(REPO / ".cache" / "models", TinyModelRecipe())
     env = {BUSY_ENV: str(args.busy_s), RECHECK_ENV: str(args.recheck_ms)}
@@ -71,8 +66,8 @@ async def measure(args: argparse.Namespace, work: Path) -> None:
                 elapsed = time.monotonic() - started
                 gaps = [g * 1e3 for _, stream_gaps in results for g in stream_gaps]
                 rate = sum(count for count, _ in results) / elapsed
-                print(f"| {streams} | {rate:.0f} | {_quantile(gaps, 0.5):.1f} | {_quantile(gaps, 0.99):.1f} "
-                      f"| {max(gaps):.0f} |", flush=True)
+                print(f"| {streams} | {rate:.0f} | {percentile(gaps, 0.5):.1f} "
+                      f"| {percentile(gaps, 0.99):.1f} | {max(gaps):.0f} |", flush=True)
     finally:
         await asyncio.gather(*(engine.stop() for engine in engines))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+from bench_stats import percentile
 from tqdm import tqdm
 
 from llumnix.launch.pair import EnginePair, PairConfig
@@ -69,11 +70,6 @@ async def via_grpc(stub: llumlet_pb2_grpc.LlumletStub, body: dict, request_id: s
             last = now
             tokens += len(event.chunk.token_ids)
     return first - start, (last - first) / max(1, tokens - 1), tokens
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def watch_latency(address: str, min_interval_ms: int, stop: asyncio.Event) -> list[float]:
@@ -148,8 +144,9 @@ async def measure(pair: EnginePair, args: argparse.Namespace) -> dict:
     for name, timings in results.items():
         ttft = [t[0] * 1e3 for t in timings]
         tpot = [t[1] * 1e3 for t in timings]
-        summary["paths"][name] = {"ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-                                  "tpot_mean_ms": statistics.fmean(tpot), "tpot_p50_ms": percentile(tpot, 50)}
+        summary["paths"][name] = {
+            "ttft_p50_ms": percentile(ttft, 0.50), "ttft_p99_ms": percentile(ttft, 0.99),
+            "tpot_mean_ms": statistics.fmean(tpot), "tpot_p50_ms": percentile(tpot, 0.50)}
     direct = summary["paths"]["direct"]
     for name in ("llumlet-http", "llumlet-grpc"):
         path = summary["paths"][name]
@@ -157,8 +154,8 @@ async def measure(pair: EnginePair, args: argparse.Namespace) -> dict:
         path["added_ttft_p99_ms"] = path["ttft_p99_ms"] - direct["ttft_p99_ms"]
         path["added_tpot_mean_ms"] = path["tpot_mean_ms"] - direct["tpot_mean_ms"]
     summary["snapshot_to_subscriber_ms"] = {
-        f"min_interval_{ms}ms": {"samples": len(d), "p50": percentile([x * 1e3 for x in d], 50),
-                                 "p99": percentile([x * 1e3 for x in d], 99)}
+        f"min_interval_{ms}ms": {"samples": len(d), "p50": percentile([x * 1e3 for x in d], 0.50),
+                                 "p99": percentile([x * 1e3 for x in d], 0.99)}
         for ms, d in watch.items() if d
     }
     return summary

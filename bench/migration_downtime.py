@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from bench_stats import percentile
 from tqdm import tqdm
 
 from llumnix.launch.llumlet_process import LlumletProcess
@@ -223,14 +223,6 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of `values`; NaN when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
 @dataclasses.dataclass
 class Soak:
     migrations: int
@@ -369,7 +361,7 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
 
 def soak_report(soak: Soak) -> str:
     def figures(values: list[float]) -> str:
-        return (f"{_median(values):.1f} / {_percentile(values, 0.99):.1f} / "
+        return (f"{_median(values):.1f} / {percentile(values, 0.99):.1f} / "
                 f"{max(values, default=float('nan')):.1f}")
 
     outcomes = ", ".join(f"{name} {count}" for name, count in sorted(soak.outcomes.items()))
