@@ -1,7 +1,8 @@
 """Start and stop one vLLM engine (OpenAI API server + the llumnix KV connector) as a subprocess.
 
-Engine only: the llumlet that fronts it is started separately (see llumlet.cli). Used by the tests and
-by local mode:
+Engine only: the llumlet that fronts it is started separately (`llumnix.launch.llumlet_process`).
+`build_command` is the engine's command line, pure (the operator's pods run the same one);
+`EngineProcess` runs it as a `llumnix.launch.child_process.ChildProcess` (tests, benchmarks, local mode):
 
     config = EngineLaunchConfig(model=model_dir, port=8101, snapshot_addr="ipc:///tmp/e0.sock")
     async with EngineProcess(config) as engine:      # returns once /health answers
@@ -14,24 +15,17 @@ kernels load and the process dies with SIGILL); see docs/install.md.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import functools
 import json
-import os
-import signal
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-import aiohttp
-
 from llumnix.engine.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
 from llumnix.engine.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
+from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
 
 CONNECTOR_MODULE = "llumnix.engine.kv_connector"
 CONNECTOR_CLASS = "LlumnixConnector"
@@ -41,9 +35,10 @@ CPU_ENGINE_NICE = 5
 """A CPU engine computes on the cores its llumlet, the router and the control loop also need; they are
 on every token's path and must not wait behind a decode step (measured: a test client 2.8 s behind two
 busy engines on 2 cores), so the engine yields to them."""
+STOP_GRACE_S = 15.0
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(ChildStartError):
     """The engine exited or did not become healthy in time; the message ends with its log tail."""
 
 
@@ -140,55 +135,17 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
     return argv, env
 
 
-def log_tail(log_path: Path, lines: int) -> str:
-    """The last `lines` lines of an engine's log (what start-up errors show)."""
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-async def wait_healthy(url: str, returncode: Callable[[], int | None], timeout_s: float, name: str,
-                       log_path: Path) -> None:
-    """Until `url`/health answers 200; EngineStartError (with the log tail) when the process exits
-    (`returncode()` is set) or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-        while True:
-            code = returncode()
-            if code is not None:
-                raise EngineStartError(f"{name} exited with code {code} during start-up; "
-                                       f"log {log_path}:\n{log_tail(log_path, 40)}")
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(f"{url}/health") as response:
-                    if response.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"{name} not healthy after {timeout_s:.0f} s; "
-                                       f"log {log_path}:\n{log_tail(log_path, 40)}")
-            await asyncio.sleep(0.1)
-
-
-class EngineProcess:
+class EngineProcess(ChildProcess):
     """One engine subprocess in its own process group (vLLM forks an engine-core child)."""
+
+    start_error = EngineStartError
 
     def __init__(self, config: EngineLaunchConfig) -> None:
         self.config = config
         self.url = f"http://{config.host}:{config.port}"
-        self.log_path = config.log_path or Path(tempfile.mkdtemp(prefix="llumnix-engine-")) / "engine.log"
-        self._proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode if self._proc else None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
+        super().__init__(f"engine on port {config.port}",
+                         config.log_path or Path(tempfile.mkdtemp(prefix="llumnix-engine-")) / "engine.log",
+                         f"{self.url}/health", grace_s=STOP_GRACE_S)
 
     @property
     def niceness(self) -> int:
@@ -198,45 +155,12 @@ class EngineProcess:
 
     async def start(self, timeout_s: float = 240.0) -> None:
         """Spawn the engine and return once `/health` answers 200."""
-        if self._proc is not None:
-            raise RuntimeError("engine already started")
-        argv, env_extra = build_command(self.config)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **env_extra},
-                cwd=self.log_path.parent,
-                start_new_session=True,
-                preexec_fn=functools.partial(os.nice, self.niceness) if self.niceness else None,
-            )
-        try:
-            await wait_healthy(self.url, lambda: self.returncode, timeout_s,
-                               f"engine on port {self.config.port}", self.log_path)
-        except BaseException:
-            await self.stop()
-            raise
+        argv, env = build_command(self.config)
+        await self.launch(ChildCommand(argv, env, cwd=self.log_path.parent, nice=self.niceness), timeout_s)
 
-    async def stop(self, grace_s: float = 15.0) -> int | None:
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
         """SIGTERM to the process group, SIGKILL after `grace_s`; returns the exit code."""
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return proc.returncode if proc else None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        # The engine-core child may outlive the API server by a moment; it is in the same group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.returncode
+        return await self.terminate(grace_s)
 
     async def __aenter__(self) -> EngineProcess:
         await self.start()

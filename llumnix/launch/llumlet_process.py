@@ -1,24 +1,18 @@
-"""Run a llumlet as a child process (tests, benchmarks, local mode): start it, wait until it serves,
-stop it with SIGTERM (its graceful shutdown), then SIGKILL if it hangs."""
+"""Run a llumlet as a child process (tests, benchmarks, local mode): a
+`llumnix.launch.child_process.ChildProcess` running `python -m llumlet ...`. Start it, wait until it
+serves, stop it with SIGTERM (its graceful shutdown), then SIGKILL if it hangs."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
-from llumnix.launch.engine_process import log_tail
+from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
 
 
-class LlumletStartError(RuntimeError):
-    pass
+class LlumletStartError(ChildStartError):
+    """The llumlet exited or did not serve in time; the message ends with its log tail."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +43,14 @@ class LlumletProcessConfig:
         ]
 
 
-class LlumletProcess:
+class LlumletProcess(ChildProcess):
+    start_error = LlumletStartError
+
     def __init__(self, config: LlumletProcessConfig) -> None:
         self.config = config
-        self.process: subprocess.Popen[bytes] | None = None
+        # A stop waits for the llumlet's own graceful shutdown, plus a margin.
+        super().__init__(f"llumlet {config.instance_id}", config.log_path, f"{self.http_url}/health",
+                         grace_s=config.shutdown_grace_s + 5.0)
 
     @property
     def http_url(self) -> str:
@@ -63,50 +61,13 @@ class LlumletProcess:
         return f"{self.config.host}:{self.config.grpc_port}"
 
     def start(self) -> None:
-        self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.config.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.config.command(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        """Spawn the llumlet; `wait_ready` waits until it serves."""
+        self.spawn(ChildCommand(self.config.command(), {"PYTHONUNBUFFERED": "1"}))
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Until /health answers (200, or 503 only because the engine is not healthy yet)."""
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.process is None:
-                    raise LlumletStartError(f"llumlet {self.config.instance_id} was never started")
-                if (code := self.process.poll()) is not None:
-                    raise LlumletStartError(f"llumlet {self.config.instance_id} exited with code {code} "
-                                            f"during start:\n{self.log_tail()}")
-                try:
-                    async with session.get(self.http_url + "/health",
-                                           timeout=aiohttp.ClientTimeout(total=2)) as response:
-                        if response.status == 200:
-                            return
-                except (TimeoutError, aiohttp.ClientError, OSError):
-                    pass
-                await asyncio.sleep(0.1)
-        raise LlumletStartError(f"llumlet {self.config.instance_id} not healthy after {timeout_s} s:\n"
-                                f"{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        return log_tail(self.config.log_path, lines)
-
-    def signal(self, sig: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, sig)
+        """Until /health answers 200: serving, which includes its engine being healthy."""
+        await self.wait_healthy(timeout_s)
 
     async def stop(self, timeout_s: float | None = None) -> int | None:
-        """SIGTERM, wait for the graceful shutdown (grace period + a margin), then SIGKILL."""
-        if self.process is None:
-            return None
-        self.signal(signal.SIGTERM)
-        wait_s = self.config.shutdown_grace_s + 5.0 if timeout_s is None else timeout_s
-        deadline = time.monotonic() + wait_s
-        while self.process.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.process.poll() is None:
-            self.signal(signal.SIGKILL)
-            await asyncio.to_thread(self.process.wait)
-        return self.process.returncode
+        """SIGTERM, wait for the graceful shutdown (None: grace period + a margin), then SIGKILL."""
+        return await self.terminate(timeout_s)

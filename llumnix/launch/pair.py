@@ -12,8 +12,6 @@ vLLM with the llumnix connector (`engine="vllm"`, needs `model_dir`) or the sim 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import socket
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Engine(Protocol):
-    """What a pair needs of an engine process (EngineProcess, SimEngineProcess)."""
+    """What a pair needs of an engine process (EngineProcess, SimEngineProcess: both ChildProcesses)."""
 
     url: str
 
@@ -44,7 +42,9 @@ class Engine(Protocol):
     @property
     def returncode(self) -> int | None: ...
 
-    def log_tail(self, lines: int = 30) -> str: ...
+    def log_tail(self, lines: int = ...) -> str: ...
+
+    def signal(self, sig: int) -> None: ...
 
     async def start(self, timeout_s: float) -> None: ...
 
@@ -169,6 +169,4 @@ class EnginePair:
 
     def kill_engine(self) -> None:
         """SIGKILL the engine's whole process group (a crash, for failure tests)."""
-        if self.engine.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.engine.pid, signal.SIGKILL)
+        self.engine.signal(signal.SIGKILL)

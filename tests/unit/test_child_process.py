@@ -1,0 +1,141 @@
+"""The generic child-process manager, with `python -c`-sized children: an HTTP server whose /health
+answers 200, optionally ignoring SIGTERM or forking a grandchild into its process group."""
+
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
+from llumnix.launch.pair import free_port
+
+HEALTH_SERVER = """
+import http.server, signal, subprocess, sys
+port, ignore_term, grandchild_pid_file = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+if ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if grandchild_pid_file:
+    # A grandchild that outlives its parent's SIGTERM, like vLLM's engine core.
+    grandchild = subprocess.Popen([sys.executable, "-c",
+                                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   "time.sleep(600)"])
+    open(grandchild_pid_file, "w").write(str(grandchild.pid))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+print("serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+ChildFactory = Callable[..., ChildProcess]
+
+
+@pytest.fixture
+async def make_child(tmp_path: Path) -> AsyncIterator[ChildFactory]:
+    """ChildProcess objects on a free port each, terminated after the test whatever it left running."""
+    children: list[ChildProcess] = []
+
+    def make(grace_s: float = 5.0) -> ChildProcess:
+        child = ChildProcess(f"test child {len(children)}", tmp_path / f"child-{len(children)}.log",
+                             f"http://127.0.0.1:{free_port()}/health", grace_s=grace_s)
+        children.append(child)
+        return child
+
+    yield make
+    for child in children:
+        await child.terminate(grace_s=0)
+
+
+def server_command(child: ChildProcess, *, ignore_term: bool = False, grandchild_pid_file: Path | None = None,
+                   ) -> ChildCommand:
+    """The health server on the port of `child`'s health URL."""
+    port = urlsplit(child.health_url).port
+    return ChildCommand((sys.executable, "-c", HEALTH_SERVER, str(port), "1" if ignore_term else "0",
+                         str(grandchild_pid_file or "")))
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or a zombie waiting for whoever adopted it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_launch_returns_once_healthy_and_terminate_stops_it(make_child: ChildFactory):
+    child = make_child()
+    assert child.pid is None and child.returncode is None and child.process is None
+    await child.launch(server_command(child), timeout_s=30)
+    assert child.pid is not None and child.returncode is None
+    assert os.getpgid(child.pid) == child.pid  # its own process group
+    assert "serving" in child.log_tail()
+    assert await child.terminate() == -signal.SIGTERM
+    assert child.returncode == -signal.SIGTERM
+    assert await child.terminate() == -signal.SIGTERM  # a second stop is a no-op
+
+
+async def test_exit_during_start_reports_the_log_tail_and_the_command_settings(make_child: ChildFactory,
+                                                                               tmp_path: Path):
+    child = make_child()
+    report = ("import os, sys; print('fatal:', os.environ['CHILD_SETTING'], os.getcwd(), os.nice(0)); "
+              "sys.exit(3)")
+    command = ChildCommand((sys.executable, "-c", report), env={"CHILD_SETTING": "on"}, cwd=tmp_path, nice=2)
+    with pytest.raises(ChildStartError, match=rf"(?s)test child 0 exited with code 3 during start-up.*"
+                                              rf"fatal: on {tmp_path} {os.nice(0) + 2}"):
+        await child.launch(command, timeout_s=30)
+
+
+async def test_not_healthy_in_time_is_an_error_and_the_child_is_stopped(make_child: ChildFactory):
+    child = make_child()
+    sleeper = ChildCommand((sys.executable, "-c",
+                            "import time; print('starting', flush=True); time.sleep(600)"))
+    with pytest.raises(ChildStartError, match=r"(?s)not healthy after 1 s.*starting"):
+        await child.launch(sleeper, timeout_s=1)
+    assert child.returncode == -signal.SIGTERM
+
+
+async def test_sigterm_ignored_means_sigkill_after_the_grace(make_child: ChildFactory):
+    child = make_child(grace_s=0.5)
+    await child.launch(server_command(child, ignore_term=True), timeout_s=30)
+    started = time.monotonic()
+    assert await child.terminate() == -signal.SIGKILL
+    assert time.monotonic() - started >= 0.5
+
+
+async def test_stop_reaches_a_grandchild_that_outlives_its_parent(make_child: ChildFactory, tmp_path: Path):
+    child = make_child()
+    pid_file = tmp_path / "grandchild.pid"
+    await child.launch(server_command(child, grandchild_pid_file=pid_file), timeout_s=30)
+    grandchild = int(pid_file.read_text())
+    assert os.getpgid(grandchild) == child.pid
+    assert await child.terminate() == -signal.SIGTERM  # the parent obeys; the grandchild ignores SIGTERM
+    deadline = time.monotonic() + 5
+    while not is_gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert is_gone(grandchild)
+
+
+async def test_signal_goes_to_the_group_and_is_a_no_op_once_exited(make_child: ChildFactory):
+    child = make_child()
+    await child.launch(server_command(child), timeout_s=30)
+    child.signal(signal.SIGKILL)
+    assert await child.terminate() == -signal.SIGKILL
+    child.signal(signal.SIGTERM)
+
+
+async def test_one_spawn_per_object_and_no_wait_before_it(make_child: ChildFactory):
+    child = make_child()
+    with pytest.raises(ChildStartError, match="never started"):
+        await child.wait_healthy(timeout_s=1)
+    assert await child.terminate() is None
+    child.spawn(server_command(child))
+    with pytest.raises(RuntimeError, match="already started"):
+        child.spawn(server_command(child))
