@@ -15,15 +15,9 @@ from typing import Any
 import torch
 
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
-from llumnix.engine.kv_transport import (
-    KV_FRAME_SCHEMA_VERSION,
-    KVReceiver,
-    KVSender,
-    StagedKV,
-    StagingStore,
-    make_receiver,
-    make_sender,
-)
+from llumnix.engine.kv_staging import StagedKV, StagingStore
+from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVReceiver, KVSender
+from llumnix.engine.kv_transport_factory import make_receiver, make_sender
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
     MIGRATION_EVENT_KIND_STAGE_RECEIVED,

@@ -3,7 +3,7 @@ destination engine pair gets its own two-rank NCCL communicator (vLLM's ctypes b
 `vllm.distributed.device_communicators.pynccl_wrapper.NCCLLibrary`), created once and reused for
 every later stage and migration between the two.
 
-Control stays on the TCP connection of llumnix/engine/kv_transport.py (the destination's `kv_address`):
+Control goes over TCP, in the frames of llumnix/engine/kv_transport.py, to the destination's `kv_address`:
 1. the sender's first frame is a hello (stage 0, dtype `nccl-unique-id`) whose 128-byte payload is a
    fresh `ncclUniqueId`; the receiver acks it and both call `ncclCommInitRank` (receiver rank 0, sender
    rank 1). The id travels in-band, so the llumlets' Propose needs no transport parameters.
@@ -21,13 +21,12 @@ import socket
 import threading
 from typing import Any
 
+from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVSender,
     KVTransportError,
     StageCallback,
-    StagingStore,
-    TcpKVReceiver,
     encode_message,
     parse_tcp_address,
     read_ack,
@@ -35,6 +34,7 @@ from llumnix.engine.kv_transport import (
     recv_message,
     write_frame,
 )
+from llumnix.engine.kv_transport_tcp import TcpKVReceiver
 from llumnix.v1.kv_transfer_pb2 import KVStageAck, KVStageHeader
 
 HELLO_DTYPE = "nccl-unique-id"
@@ -94,7 +94,7 @@ class NcclKVSender(KVSender):
     """Source side for one destination. The payload is a flat uint8 CUDA tensor; the communicator is
     built on the first send, on that tensor's device."""
 
-    def __init__(self, address: str, params_json: str = "", timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
         _cuda()
         self.address = address
         self.timeout_s = timeout_s

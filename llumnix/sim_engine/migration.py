@@ -20,14 +20,9 @@ from llumnix.engine.engine_channel import (
     events_address,
 )
 from llumnix.engine.handshake import HANDSHAKE_SCHEMA_VERSION, default_handshake_path, write_handshake
-from llumnix.engine.kv_transport import (
-    KV_FRAME_SCHEMA_VERSION,
-    KVSender,
-    KVTransportError,
-    StagingStore,
-    make_receiver,
-    make_sender,
-)
+from llumnix.engine.kv_staging import StagingStore
+from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVSender, KVTransportError
+from llumnix.engine.kv_transport_factory import make_receiver, make_sender
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOAD_FAILED,
     MIGRATION_EVENT_KIND_LOADED,

@@ -219,7 +219,8 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     from transformers import AutoModelForCausalLM
 
     from llumnix.engine.kv_blocks import KVBlockCopier
-    from llumnix.engine.kv_transport import StagingStore, TcpKVReceiver
+    from llumnix.engine.kv_staging import StagingStore
+    from llumnix.engine.kv_transport_tcp import TcpKVReceiver
     from llumnix.v1.kv_transfer_pb2 import EngineCommand, ExportFinal
 
     record = read_handshake(engine.handshake_path)

@@ -35,7 +35,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from llumnix.engine.kv_transport import StagingStore, TcpKVReceiver
+from llumnix.engine.kv_staging import StagingStore
+from llumnix.engine.kv_transport_tcp import TcpKVReceiver
 from llumnix.launch.llumlet_process import LlumletProcess
 from llumnix.launch.pair import EnginePair, PairConfig, free_port
 from llumnix.router.api import ApiSettings

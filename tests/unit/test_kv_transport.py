@@ -7,20 +7,18 @@ import time
 
 import pytest
 
+from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVTransportError,
-    StagingStore,
-    TcpKVReceiver,
-    TcpKVSender,
     encode_message,
-    make_receiver,
-    make_sender,
     parse_tcp_address,
     read_ack,
     read_frame,
     write_frame,
 )
+from llumnix.engine.kv_transport_factory import make_receiver, make_sender
+from llumnix.engine.kv_transport_tcp import TcpKVReceiver, TcpKVSender
 from llumnix.v1.kv_transfer_pb2 import KVStageAck, KVStageHeader
 
 BLOCK = 64  # bytes per block in these tests
@@ -192,9 +190,9 @@ def test_factories_choose_the_transport() -> None:
     receiver = make_receiver("tcp", host="127.0.0.1", staging=staging)
     assert isinstance(receiver, TcpKVReceiver)
     receiver.close()
-    assert isinstance(make_sender("", "tcp://127.0.0.1:1", ""), TcpKVSender)
+    assert isinstance(make_sender("", "tcp://127.0.0.1:1"), TcpKVSender)
     with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
-        make_sender("rdma", "x", "")
+        make_sender("rdma", "x")
 
 
 def test_nccl_refuses_clearly_without_cuda() -> None:
@@ -203,7 +201,7 @@ def test_nccl_refuses_clearly_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is present: the refusal path does not apply")
     with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
-        make_sender("nccl", "tcp://127.0.0.1:1", "")
+        make_sender("nccl", "tcp://127.0.0.1:1")
     with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
         make_receiver("nccl", host="127.0.0.1", staging=StagingStore(BLOCK, "float32"))
 
@@ -219,7 +217,7 @@ def test_nccl_stages_land_in_device_staging() -> None:
     receiver = make_receiver("nccl", host="127.0.0.1", staging=staging)
     receiver.device = torch.device("cuda", 1)
     receiver.start()
-    sender = make_sender("nccl", receiver.address, "")
+    sender = make_sender("nccl", receiver.address)
     try:
         for stage, fill in ((1, 3), (2, 9)):
             payload = torch.full((2 * BLOCK,), fill, dtype=torch.uint8, device="cuda:0")
