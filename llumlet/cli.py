@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from llumlet.migration.settings import TEST_EXIT_POINTS, MigrationSettings
+from llumlet.migration.settings import MigrationSettings
 from llumlet.server import Llumlet, LlumletConfig
 from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.jsonlog import configure_json_logging
@@ -65,11 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-commit-timeout", type=float, default=defaults.commit_timeout_s,
                         metavar="SECONDS", help="how long the source waits for the destination's first token "
                         "before it resumes the request itself (default: %(default)s)")
-    # Test-only: destinations load zeros instead of the staged KV (shows the KV is what keeps output exact).
-    parser.add_argument("--migration-test-zero-kv", action="store_true", help=argparse.SUPPRESS)
-    # Test-only: the source llumlet kills itself at this point of a migration (a crash there).
-    parser.add_argument("--migration-test-exit-at", choices=TEST_EXIT_POINTS, default="",
-                        help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -83,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             max_concurrent=args.max_concurrent_migrations, select=args.migration_select,
             freeness_threshold=args.migration_freeness_threshold, max_stages=args.migration_max_stages,
             final_delta_blocks=args.migration_final_delta_blocks, lease_s=args.migration_lease,
-            commit_timeout_s=args.migration_commit_timeout, test_exit_at=args.migration_test_exit_at)
+            commit_timeout_s=args.migration_commit_timeout)
     except ValueError as exc:
         print(f"llumlet: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -100,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         engine_priority_scheduling=args.engine_priority_scheduling,
         high_priority_target_tokens=args.high_priority_target_tokens,
         migration=migration,
-        migration_test_zero_kv=args.migration_test_zero_kv,
     )
     try:
         asyncio.run(Llumlet(config).serve_until_signal())

@@ -45,8 +45,6 @@ class LlumletConfig:
     engine_priority_scheduling: bool = False
     high_priority_target_tokens: int = LoadModelConfig().high_priority_target_tokens
     migration: MigrationSettings = field(default_factory=MigrationSettings)
-    migration_test_zero_kv: bool = False
-    """Test-only (hidden flag): migrated requests load zeros instead of their staged KV."""
 
 
 class Llumlet:
@@ -83,8 +81,7 @@ class Llumlet:
             raise OSError(f"cannot listen on {grpc_address} (gRPC): {exc}") from None
         self.migration = MigrationCoordinator(
             self.config.instance_id, f"{self.config.host}:{self.grpc_port}", self.config.snapshot_addr,
-            self.admission, self.tracker, self.metrics, self.config.migration,
-            self.config.migration_test_zero_kv)
+            self.admission, self.tracker, self.metrics, self.config.migration)
         self.migration.start()
         llumlet_pb2_grpc.add_LlumletServicer_to_server(
             LlumletService(self.admission, self.tracker, self.health, self.migration.destination), self._grpc)

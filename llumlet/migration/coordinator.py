@@ -38,14 +38,13 @@ class HandshakeFile:
 
 class MigrationCoordinator:
     def __init__(self, instance_id: str, address: str, snapshot_addr: str, admission: Admission,
-                 tracker: LoadTracker, metrics: LlumletMetrics, settings: MigrationSettings,
-                 zero_kv: bool = False) -> None:
+                 tracker: LoadTracker, metrics: LlumletMetrics, settings: MigrationSettings) -> None:
         self.link = EngineLink(snapshot_addr)
         handshake = HandshakeFile(default_handshake_path(snapshot_addr))
         self.destination = Destination(instance_id, admission, tracker, self.link, handshake, settings,
                                        metrics)
         self.source = Source(instance_id, address, admission, tracker, self.link, handshake, settings,
-                             metrics, incoming=lambda: len(self.destination.reservations), zero_kv=zero_kv)
+                             metrics, incoming=lambda: len(self.destination.reservations))
         self.destination.outgoing = lambda: len(self.source.active)
         self._expiry: asyncio.Task[None] | None = None
 

@@ -31,10 +31,6 @@ from llumnix.wire import endpoint_from_proto
 
 logger = logging.getLogger("llumlet.migration")
 
-ZERO_KV_FIELD = "llumnix_test_zero_kv"
-"""Test-only body field (removed before the engine sees it): the destination loads zeros instead of
-the staged KV, so a test can show that the staged KV is what makes the output exact."""
-
 _EXPIRY_INTERVAL_S = 0.25
 
 
@@ -224,17 +220,13 @@ class Destination:
                ) -> tuple[RequestRecord, MigratedStream]:
         proposal = reservation.proposal
         body = json.loads(proposal.body_json)
-        zero_kv = bool(body.pop(ZERO_KV_FIELD, False))
         record = RequestRecord(
             proposal.request_id, endpoint_from_proto(proposal.endpoint), body,
             high_priority=proposal.priority == llumlet_pb2.PRIORITY_HIGH,
             prompt_token_ids=tuple(request.prompt_token_ids),
             generated_token_ids={0: list(request.generated_token_ids)}, migratable=True)
-        kv_params: dict[str, object] = {"llumlet_migration_id": request.migration_id,
-                                        "llumlet_staged_tokens": request.staged_tokens}
-        if zero_kv:
-            kv_params["llumlet_zero_kv"] = True
-        record.resume = resume_point(record, kv_params)
+        record.resume = resume_point(record, {"llumlet_migration_id": request.migration_id,
+                                              "llumlet_staged_tokens": request.staged_tokens})
         stream = MigratedStream(record.request_id, request.migration_id, deadline=math.inf)
         self.streams[record.request_id] = stream
         return record, stream

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from llumnix.policies.migration import SELECT_POLICIES, MigrationConfig
 
-TEST_EXIT_POINTS = ("", "final-stage", "commit")
-
 
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
@@ -29,10 +27,6 @@ class MigrationSettings:
     """Propose, Renew and Abort calls to the destination."""
     commit_timeout_s: float = 60.0
     """Commit answers after the destination's first token (a prefill of the unstaged tokens)."""
-    test_exit_at: str = ""
-    """Test-only: the source llumlet kills itself at this point of a migration ("final-stage": once the
-    final stage was sent, before Commit; "commit": once the destination committed, before the caller
-    learns of the move), to test what a source crash there leaves behind."""
 
     def __post_init__(self) -> None:
         if self.select not in SELECT_POLICIES:
@@ -43,9 +37,6 @@ class MigrationSettings:
             raise ValueError("migration stages, final delta and lease must not be negative")
         if self.commit_timeout_s <= 0:
             raise ValueError("the migration commit timeout must be positive")
-        if self.test_exit_at not in TEST_EXIT_POINTS:
-            raise ValueError(f"unknown test exit point {self.test_exit_at!r}; "
-                             f"choose one of {TEST_EXIT_POINTS}")
 
     @property
     def policy(self) -> MigrationConfig:

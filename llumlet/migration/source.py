@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +21,6 @@ import grpc
 from llumlet.admission import Admission, MovedTo, Suspension
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
-from llumlet.migration.destination import ZERO_KV_FIELD
 from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
 from llumlet.migration.rules import migration_refusal, resume_point, usable_staged_tokens
 from llumlet.migration.settings import MigrationSettings
@@ -101,8 +98,7 @@ class PeerStubs:
 class Source:
     def __init__(self, instance_id: str, address: str, admission: Admission, tracker: LoadTracker,
                  link: EngineLink, handshake: Callable[[], dict[str, object] | None],
-                 settings: MigrationSettings, metrics: LlumletMetrics, incoming: Callable[[], int],
-                 zero_kv: bool = False) -> None:
+                 settings: MigrationSettings, metrics: LlumletMetrics, incoming: Callable[[], int]) -> None:
         self.instance_id = instance_id
         self.address = address
         self.admission = admission
@@ -112,8 +108,6 @@ class Source:
         self.settings = settings
         self.metrics = metrics
         self.incoming = incoming
-        self.zero_kv = zero_kv
-        """Test-only: ask destinations to load zeros instead of the staged KV."""
         self.peers = PeerStubs()
         self.active: set[str] = set()
 
@@ -238,14 +232,11 @@ class Source:
         if handshake is None:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED,
                                   "this engine has not published its handshake record yet")
-        body = dict(record.body)
-        if self.zero_kv:
-            body[ZERO_KV_FIELD] = True
         tokens = len(record.prompt_token_ids) + record.output_tokens
         proposal = mpb.ProposeMigrationRequest(
             migration_id=progress.migration_id, source_instance_id=self.instance_id,
             source_address=self.address, request_id=record.request_id,
-            endpoint=endpoint_to_proto(record.endpoint), body_json=json.dumps(body),
+            endpoint=endpoint_to_proto(record.endpoint), body_json=json.dumps(record.body),
             priority=llumlet_pb2.PRIORITY_HIGH if record.high_priority else llumlet_pb2.PRIORITY_NORMAL,
             prompt_tokens=len(record.prompt_token_ids), output_tokens=record.output_tokens,
             blocks=blocks_for_tokens(tokens, self._block_size()), handshake_json=json.dumps(handshake),
@@ -355,7 +346,6 @@ class Source:
         event = await self._stage_sent(progress, events, final=True)
         sent_at = time.monotonic()
         progress.final_stage_ms = (sent_at - stopped_at) * 1e3
-        self._test_exit("final-stage")
         progress.stages += 1
         progress.bytes += event.bytes
         record = progress.record
@@ -374,14 +364,8 @@ class Source:
         if not committed.ok:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the destination failed: {committed.reason}")
-        self._test_exit("commit")
         suspension.decide(MovedTo(request.destination_instance_id, request.destination_address,
                                   record.request_id, progress.migration_id))
-
-    def _test_exit(self, point: str) -> None:
-        if self.settings.test_exit_at == point:
-            logger.warning("test hook: the source llumlet kills itself", extra={"point": point})
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _resume_here(self, progress: _Progress, suspension: Suspension) -> None:
         suspension.decide(resume_point(progress.record))

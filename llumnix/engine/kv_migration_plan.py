@@ -51,7 +51,6 @@ class LoadItem:
     start_token: int
     end_token: int
     block_ids: tuple[int, ...]
-    zero_kv: bool = False  # negative control: write zeros instead of the staged KV
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """Live migration between two real CPU vLLM engines, driven over the engine channel the way a llumlet
 does (no llumlet here): stages while the request decodes on A, final stage + abort, resume on B with
-prompt + generated tokens. Greedy output must equal the unmigrated run; loading zeros must not; a
-migration whose staging is gone must be recomputed, not crash or produce garbage.
+prompt + generated tokens. Greedy output must equal the unmigrated run; KV stages zeroed on the way
+(a relay between the engines) must not; a migration whose staging is gone must be recomputed, not
+crash or produce garbage.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from zeroing_kv_relay import ZeroingKVRelay
 
 from llumnix.engine.engine_channel import (
     EngineCommandClient,
@@ -183,10 +185,11 @@ class Migrated:
     sent: list[MigrationEvent]  # the source's events for the migration, final stage last
 
 
-async def _migrate(source: Engine, destination: Engine, name: str, **resume: Any) -> Migrated:
-    """Two live stages, then the final one, then the resumed request on the destination."""
-    migration = {"migration_id": name, "request_id": name, "kv_address": destination.kv_address,
-                 "transport": "tcp"}
+async def _migrate(source: Engine, destination: Engine, name: str, kv_address: str = "") -> Migrated:
+    """Two live stages, then the final one, then the resumed request on the destination. The source
+    sends to `kv_address` (default: the destination's KV receiver)."""
+    migration = {"migration_id": name, "request_id": name,
+                 "kv_address": kv_address or destination.kv_address, "transport": "tcp"}
 
     sent: list[MigrationEvent] = []
 
@@ -207,7 +210,7 @@ async def _migrate(source: Engine, destination: Engine, name: str, **resume: Any
         assert event.kind == MIGRATION_EVENT_KIND_STAGE_SENT, event.error
     resumed = await destination.complete(
         PROMPT + generated, MAX_TOKENS - len(generated), llumlet_id=f"{name}-resumed",
-        llumlet_migration_id=name, llumlet_staged_tokens=sent[-1].num_tokens, **resume,
+        llumlet_migration_id=name, llumlet_staged_tokens=sent[-1].num_tokens,
     )
     return Migrated(generated, resumed, sent)
 
@@ -263,7 +266,15 @@ async def test_stages_are_incremental(engines: tuple[Engine, Engine], reference:
 
 async def test_zero_kv_control_diverges(engines: tuple[Engine, Engine], reference: list[int]) -> None:
     source, destination = engines
-    migrated = await _migrate(source, destination, "zeros", llumlet_zero_kv=True)
+    relay = ZeroingKVRelay(destination.kv_address)
+    try:
+        migrated = await _migrate(source, destination, "zeros", kv_address=relay.address)
+    finally:
+        relay.close()
+    assert relay.frames == len(migrated.sent) == 3
+    loaded = await destination.event(lambda e: e.migration_id == "zeros" and e.kind in (
+        MIGRATION_EVENT_KIND_LOADED, MIGRATION_EVENT_KIND_LOAD_FAILED))
+    assert loaded.kind == MIGRATION_EVENT_KIND_LOADED, loaded.error  # the zeros were loaded, not recomputed
     split = len(migrated.generated)
     assert migrated.generated == reference[:split]
     assert migrated.resumed != reference[split:], "loading zeros gave the right output: the load is unused"

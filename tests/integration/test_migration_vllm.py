@@ -1,11 +1,12 @@
 """Live migration through llumlets between two real CPU vLLM engines with the tiny model: greedy
 requests migrated at random points (some twice, A -> B -> A) under background load produce exactly
-their unmigrated tokens; loading zeros instead of the staged KV does not (so the KV is what makes
-them exact). Every failure path keeps the caller's tokens exact and leaves both instances idle: a
-destination that cannot run the resumed request, or does not answer Commit in time, makes the
-source resume it by recompute; a destination that refuses (full) or is unreachable leaves the
-request on the source; a request that finishes on the source mid-migration ends the migration; a
-source that dies after the final stage (before or after Commit) leaves the router's token replay to
+their unmigrated tokens; KV stages zeroed on their way to the destination (a relay in front of its
+engine's KV receiver) do not (so the KV is what makes them exact). Every failure path keeps the
+caller's tokens exact and leaves both instances idle: a destination that cannot run the resumed
+request, or does not answer Commit in time, makes the source resume it by recompute; a destination
+that refuses (full) or is unreachable leaves the request on the source; a request that finishes on
+the source mid-migration ends the migration; a source that dies after the final stage (before or
+after Commit; it runs as faulty_llumlet, which crashes there) leaves the router's token replay to
 finish the request, and the destination drops what it holds when its lease runs out; a destination
 engine that dies mid-stage aborts the migration and the source continues.
 
@@ -21,12 +22,14 @@ ending while it migrates) are driven by a destination the test controls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,9 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from zeroing_kv_relay import ZeroingKVRelay
 
+from llumnix.engine.handshake import default_handshake_path, read_handshake, write_handshake
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver
 from llumnix.launch.llumlet_process import LlumletProcess
@@ -81,14 +86,15 @@ class Node:
         return cls(pair, channel, llumlet_pb2_grpc.LlumletStub(channel),
                    migration_pb2_grpc.LlumletMigrationStub(channel))
 
-    async def restart_llumlet(self, *args: str, always: bool = False) -> None:
-        """The same engine behind a llumlet started with other flags (unless it runs with these already
-        and `always` is not set: restarts cost seconds)."""
-        if args == self.llumlet_args and not always:
+    async def restart_llumlet(self, *args: str, module: str = "llumlet", always: bool = False) -> None:
+        """The same engine behind a llumlet (`module`: or a wrapper of its CLI) started with other flags
+        (unless it runs with these already and `always` is not set: restarts cost seconds)."""
+        config = self.pair.llumlet.config
+        if args == self.llumlet_args and module == config.module and not always:
             return
         self.llumlet_args = args
         await self.pair.llumlet.stop()
-        self.pair.llumlet = LlumletProcess(dataclasses.replace(self.pair.llumlet.config,
+        self.pair.llumlet = LlumletProcess(dataclasses.replace(config, module=module,
                                                                extra_args=(*LLUMLET_ARGS, *args)))
         self.pair.llumlet.start()
         await self.pair.llumlet.wait_ready(60)
@@ -287,21 +293,37 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
     await _wait_idle(b)
 
 
+@contextlib.contextmanager
+def _zeroing_relay_in_front_of(node: Node) -> Iterator[ZeroingKVRelay]:
+    """Points the node's handshake record at a zeroing relay in front of its engine's KV receiver: its
+    llumlet reads the record for every Propose and answers with the relay's address. Restored after."""
+    path = default_handshake_path(node.pair.llumlet.config.snapshot_addr)
+    assert path is not None
+    record = read_handshake(path)
+    relay = ZeroingKVRelay(str(record["kv_address"]))
+    write_handshake(path, {**record, "kv_address": relay.address})
+    try:
+        yield relay
+    finally:
+        write_handshake(path, record)
+        relay.close()
+
+
 async def test_zero_kv_control_diverges(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
-    await a.restart_llumlet("--migration-test-zero-kv")
     expected = await _generate(a, "zref", _body(7, 40, 1000))
     run = Run.start(a, "zkv", _body(7, 40, LONG))
     await run.until(20)
-    result = await _migrate(a, b, "zkv")
+    with _zeroing_relay_in_front_of(b) as relay:
+        result = await _migrate(a, b, "zkv")
     assert result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED, result
+    assert relay.frames == result.stages, "the stages did not go through the relay"
     await run.follow(b)
     split = run.moved_at  # a loaded machine's client sees the move hundreds of tokens after it asked
     assert split + 100 <= len(expected), f"moved after {split} tokens: past the reference"
     tokens = await run.stop(split + 100)
     assert tokens[:split] == expected[:split]
     assert tokens[split:] != expected[split:split + 100]
-    await a.restart_llumlet()
 
 
 async def test_commit_failure_resumes_the_request_on_the_source_by_recompute(
@@ -437,11 +459,14 @@ async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destinati
 
 @pytest.mark.parametrize("exit_at", ["final-stage", "commit"])
 async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
-        nodes: tuple[Node, Node], start_router: StartRouter, exit_at: str) -> None:
+        nodes: tuple[Node, Node], start_router: StartRouter, exit_at: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = nodes
     lease_s = 2.0
     await b.restart_llumlet("--migration-lease", str(lease_s))
-    await a.restart_llumlet("--migration-test-exit-at", exit_at, always=True)
+    # faulty_llumlet lives next to this file; the llumlet process inherits this environment.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
+    await a.restart_llumlet("--crash-at", exit_at, module="faulty_llumlet", always=True)
     body = _body(13, 40, 2000)  # decodes for many seconds after the migration starts
     expected = await _generate(b, f"sref-{exit_at}", body)
     # Round robin sends the first request to "a", the source.

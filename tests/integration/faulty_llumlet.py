@@ -1,0 +1,72 @@
+"""A llumlet that crashes at a chosen point of a migration it sources, for the tests of what a source
+crash leaves behind: `python -m faulty_llumlet --crash-at POINT <llumlet flags>` (this directory on
+PYTHONPATH; `LlumletProcessConfig(module="faulty_llumlet")`). It patches the real migration code, then
+runs the llumlet's own CLI.
+
+Points:
+- final-stage: the final KV stage was sent, Commit not yet called;
+- commit: the destination committed, the caller has not learned of the move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from llumlet import __main__ as llumlet_main
+from llumlet.admission import MovedTo, Suspension
+from llumlet.migration.source import Source
+
+logger = logging.getLogger("llumlet.migration")
+
+
+def _crash(point: str) -> None:
+    logger.warning("fault injection: the source llumlet kills itself", extra={"point": point})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crash_after_final_stage() -> None:
+    sent = Source._stage_sent
+
+    @functools.wraps(sent)
+    async def stage_sent(self: Source, progress: Any, events: asyncio.Queue[Any], final: bool) -> Any:
+        event = await sent(self, progress, events, final)
+        if final:
+            _crash("final-stage")
+        return event
+
+    Source._stage_sent = stage_sent  # type: ignore[method-assign]
+
+
+def _crash_after_commit() -> None:
+    # The source hands MovedTo to the caller's stream only once Commit answered ok.
+    decide = Suspension.decide
+
+    @functools.wraps(decide)
+    def decide_or_crash(self: Suspension, decision: Any) -> None:
+        if isinstance(decision, MovedTo):
+            _crash("commit")
+        decide(self, decision)
+
+    Suspension.decide = decide_or_crash  # type: ignore[method-assign]
+
+
+INJECT = {"final-stage": _crash_after_final_stage, "commit": _crash_after_commit}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--crash-at", choices=sorted(INJECT), required=True)
+    fault, llumlet_argv = parser.parse_known_args(argv)
+    INJECT[fault.crash_at]()
+    return llumlet_main.main(llumlet_argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
