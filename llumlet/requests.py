@@ -9,10 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llumnix.openai_request import estimate_prompt_tokens
 from llumnix.openai_stream import EndpointKind, GenerationChunk
-
-PROMPT_BYTES_PER_TOKEN_ESTIMATE = 4
-"""Until the engine reports a text prompt's length, it is estimated from its UTF-8 size."""
 
 # Request fields that are not sampling parameters (kept out of `RequestRecord.sampling_params`).
 _NON_SAMPLING_FIELDS = frozenset({
@@ -84,18 +82,6 @@ class RequestRecord:
             self.generated_token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
         if chunk.finish_reason:
             self.finish_reasons[chunk.index] = chunk.finish_reason
-
-
-def estimate_prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
-    if endpoint is EndpointKind.COMPLETION:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or () if isinstance(p, str)]
-    else:
-        texts = [str(m.get("content") or "") for m in body.get("messages") or () if isinstance(m, dict)]
-    size = sum(len(t.encode()) for t in texts)
-    return max(1, -(-size // PROMPT_BYTES_PER_TOKEN_ESTIMATE))
 
 
 class RequestTable:

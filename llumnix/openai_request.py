@@ -1,5 +1,6 @@
 """The OpenAI generation API as the llumnix HTTP fronts (llumlet, router, sim engine) serve it: the
-routes, reading a request body, and the checks every front makes before an engine sees the body."""
+routes, reading a request body, the checks every front makes before an engine sees the body, and the
+prompt-length estimate the fronts use before an engine reports the exact length."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from llumnix.openai_stream import EndpointKind, openai_error
+
+BYTES_PER_TOKEN_ESTIMATE = 4
+"""Text is estimated at this many UTF-8 bytes per token until the engine reports the exact length."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GenerateHandler = Callable[[web.Request, EndpointKind], Awaitable[web.StreamResponse]]
@@ -74,3 +78,42 @@ def check_generation_body(endpoint: EndpointKind, body: Any) -> dict[str, Any]:
         if not isinstance(messages, list) or not messages:
             raise OpenAIRequestError(400, "'messages' must be a non-empty list", param="messages")
     return body
+
+
+# One estimator for the llumlet's load and the router's in-flight accounting and limit. It is the
+# router's former one (it counted the text parts of list content and batches of token-id lists, which
+# the llumlet's missed) with the llumlet's sum over a batch, which is what the KV cache holds, and its
+# floor of one token per prompt.
+def prompt_token_estimates(endpoint: EndpointKind, body: dict[str, Any]) -> list[int]:
+    """Each prompt's length in tokens, at least 1 (the engine runs every prompt through the model):
+    token ids counted exactly, text estimated from its UTF-8 size. A chat request is one prompt, the
+    text of all its messages including the text parts of list content (images and other parts are not
+    estimated); a completion has one prompt per element of a batch (texts or token-id lists)."""
+    if endpoint is EndpointKind.CHAT:
+        texts: list[str] = []
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(str(part.get("text") or "") for part in content if isinstance(part, dict))
+        return [_text_tokens("".join(texts))]
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and not all(isinstance(t, int) for t in prompt)
+    return [_one_prompt_tokens(p) for p in (prompt if batch else [prompt])]
+
+
+def estimate_prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
+    """All of a request's prompts together: what its prefill puts in the KV cache (each prompt of a
+    batch completion is a sequence of its own)."""
+    return sum(prompt_token_estimates(endpoint, body))
+
+
+def _one_prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, list):
+        return max(1, len(prompt))  # token ids
+    return _text_tokens("" if prompt is None else str(prompt))
+
+
+def _text_tokens(text: str) -> int:
+    return max(1, -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_ESTIMATE))

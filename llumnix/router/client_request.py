@@ -9,13 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llumnix.openai_request import check_generation_body
+from llumnix.openai_request import check_generation_body, estimate_prompt_tokens, prompt_token_estimates
 from llumnix.openai_stream import EndpointKind
 from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest
 
-BYTES_PER_TOKEN_ESTIMATE = 4
-"""As the llumlet estimates text prompts before the engine reports their length."""
 PRIORITY_VALUES = {"high": True, "normal": False, "low": False}
 
 
@@ -25,8 +23,8 @@ class RequestLimits:
     max_tokens: int | None = None
     """Largest max_tokens / max_completion_tokens a client may ask for."""
     max_prompt_tokens: int | None = None
-    """Token-id prompts are counted exactly, text at 4 bytes per token (the engine checks the exact
-    length against its context)."""
+    """Longest prompt, as `prompt_token_estimates` counts it (each prompt of a batch on its own; the
+    engine checks the exact length against its context)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,30 +33,6 @@ class PrioritySettings:
     body_field: str = "priority"
     """A string value (`high`, `normal`, `low`) is the router's and removed; vLLM's own integer
     `priority` passes through unchanged."""
-
-
-def _prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
-    def text_tokens(text: str) -> int:
-        return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_ESTIMATE)
-
-    if endpoint is EndpointKind.CHAT:
-        total = 0
-        for message in body.get("messages") or ():
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                total += text_tokens(content)
-            elif isinstance(content, list):
-                total += sum(text_tokens(str(part.get("text") or "")) for part in content
-                             if isinstance(part, dict))
-        return total
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return text_tokens(prompt)
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        return max(len(p) if isinstance(p, list) else text_tokens(str(p)) for p in prompt)
-    return 0
 
 
 def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str, str],
@@ -82,10 +56,11 @@ def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str
         if limits.max_tokens is not None and value > limits.max_tokens:
             raise RouterError(400, f"'{key}' is {value}; this service allows at most {limits.max_tokens}",
                               param=key)
-    prompt_tokens = _prompt_tokens(endpoint, body)
-    if limits.max_prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens:
+    longest_prompt = max(prompt_token_estimates(endpoint, body))
+    if limits.max_prompt_tokens is not None and longest_prompt > limits.max_prompt_tokens:
         param = "messages" if endpoint is EndpointKind.CHAT else "prompt"
-        raise RouterError(400, f"the prompt is about {prompt_tokens} tokens; this service allows at most "
+        raise RouterError(400, f"the prompt is about {longest_prompt} tokens; this service allows at most "
                           f"{limits.max_prompt_tokens}", param=param)
     return ClientRequest(request_id=f"router-{uuid.uuid4().hex}", endpoint=endpoint, body=body,
-                         high_priority=high_priority, prompt_tokens_estimate=prompt_tokens)
+                         high_priority=high_priority,
+                         prompt_tokens_estimate=estimate_prompt_tokens(endpoint, body))

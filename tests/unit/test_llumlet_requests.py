@@ -6,7 +6,8 @@ import pytest
 
 from llumlet.admission import AdmissionError, validate_body
 from llumlet.http_front import client_view
-from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable, estimate_prompt_tokens
+from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable
+from llumnix.openai_request import estimate_prompt_tokens
 from llumnix.openai_stream import EndpointKind, ResponseAssembler, Usage, parse_stream_chunk
 
 COMPLETION_STREAM = [
@@ -105,6 +106,14 @@ def test_record_follows_the_stream_per_choice() -> None:
         (EndpointKind.COMPLETION, {"prompt": "x" * 41}, 11),
         (EndpointKind.COMPLETION, {"prompt": ["abcd", "efgh"]}, 2),
         (EndpointKind.CHAT, {"messages": [{"role": "user", "content": "12345678"}]}, 2),
+        # Where the llumlet's and the router's estimators used to disagree: a batch of token-id lists
+        # (the llumlet said 1), the text parts of list content (it counted the list's repr), an empty
+        # message (the router said 0; every prompt runs at least one token).
+        (EndpointKind.COMPLETION, {"prompt": [[1, 2, 3], [4, 5]]}, 5),
+        (EndpointKind.CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "12345678"}, {"type": "image_url", "image_url": {"url": "x" * 400}},
+        ]}]}, 2),
+        (EndpointKind.CHAT, {"messages": [{"role": "user", "content": ""}]}, 1),
     ],
 )
 def test_prompt_estimate(endpoint: EndpointKind, body: dict, expected: int) -> None:

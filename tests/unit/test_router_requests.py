@@ -55,6 +55,8 @@ def test_limits_give_openai_400s_naming_the_field() -> None:
     assert parse({"prompt": list(range(10)), "max_tokens": 100}, limits=limits).prompt_tokens_estimate == 10
     with pytest.raises(RouterError) as err:
         parse({"prompt": "x" * 41}, limits=limits)  # 4 bytes per token estimate: 11 tokens
+    # A batch: the limit is per prompt, the in-flight estimate all of them (it used to be the longest).
+    assert parse({"prompt": [list(range(10)), list(range(6))]}, limits=limits).prompt_tokens_estimate == 16
     for bad in ({"prompt": ""}, {"prompt": "hi", "max_tokens": 0}, {"prompt": "hi", "max_tokens": "3"}, [1]):
         with pytest.raises(OpenAIRequestError) as err:
             parse(bad)
