@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from llumlet.migration.settings import MigrationSettings
+from llumlet.migration.settings import TRANSPORTS, MigrationSettings
 from llumlet.server import Llumlet, LlumletConfig
 from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.jsonlog import configure_json_logging
@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-commit-timeout", type=float, default=defaults.commit_timeout_s,
                         metavar="SECONDS", help="how long the source waits for the destination's first token "
                         "before it resumes the request itself (default: %(default)s)")
+    parser.add_argument("--migration-transport", choices=TRANSPORTS, default=defaults.transport,
+                        help="KV channel of migrations: tcp or nccl refuses a migration over the other, "
+                             "auto takes the destination engine's (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             max_concurrent=args.max_concurrent_migrations, select=args.migration_select,
             freeness_threshold=args.migration_freeness_threshold, max_stages=args.migration_max_stages,
             final_delta_blocks=args.migration_final_delta_blocks, lease_s=args.migration_lease,
-            commit_timeout_s=args.migration_commit_timeout)
+            commit_timeout_s=args.migration_commit_timeout, transport=args.migration_transport)
     except ValueError as exc:
         print(f"llumlet: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -18,7 +18,7 @@ from llumlet.admission import Admission, AdmissionError, StreamEvent
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.engine_link import EngineLink
-from llumlet.migration.rules import resume_point
+from llumlet.migration.rules import channel_refusal, engine_channel, resume_point
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
 from llumnix.engine.handshake import incompatibilities
@@ -104,6 +104,9 @@ class Destination:
         problems = incompatibilities(mine, peer)
         if problems:
             return "incompatible engines: " + "; ".join(problems)
+        refusal = channel_refusal(self.settings.transport, engine_channel(peer), engine_channel(mine))
+        if refusal is not None:
+            return refusal
         report = self.tracker.report()
         if report is None:
             return "this instance has not observed its engine yet"
@@ -132,8 +135,8 @@ class Destination:
                                                  "request_id": request.request_id, "blocks": blocks,
                                                  "source": request.source_instance_id})
         return mpb.ProposeMigrationResponse(
-            accepted=True, kv_address=str(mine["kv_address"]),
-            transport=str(mine.get("kv_transport") or "tcp"), lease_ms=int(self.settings.lease_s * 1000))
+            accepted=True, kv_address=str(mine["kv_address"]), transport=engine_channel(mine),
+            lease_ms=int(self.settings.lease_s * 1000))
 
     def renew(self, request: mpb.RenewMigrationRequest) -> mpb.RenewMigrationResponse:
         reservation = self.reservations.get(request.migration_id)

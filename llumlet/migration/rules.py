@@ -1,4 +1,5 @@
-"""Which running requests can move, and the request that continues one on another engine.
+"""Which running requests can move, over which KV channel, and the request that continues one on
+another engine.
 
 A migrated request restarts on the destination as a completion whose prompt is the original prompt
 plus every token generated so far (`llumnix.openai_replay.replay_body`), with the remaining
@@ -49,6 +50,23 @@ def migration_refusal(record: RequestRecord) -> str | None:
         return "structured output and tools keep parser state that does not migrate"
     if (body.get("response_format") or {}).get("type", "text") != "text":
         return "structured output keeps parser state that does not migrate"
+    return None
+
+
+def engine_channel(handshake: dict[str, object]) -> str:
+    """The KV channel an engine receives migrations on (its handshake's kv_transport)."""
+    return str(handshake.get("kv_transport") or "tcp")
+
+
+def channel_refusal(transport: str, source_channel: str, destination_channel: str) -> str | None:
+    """Why a llumlet configured `--migration-transport transport` takes no part in a migration between
+    engines with these channels (None: it does). The migration uses the destination's channel; the
+    source engine sends TCP always, NCCL only when it runs NCCL itself."""
+    if destination_channel == "nccl" and source_channel != "nccl":
+        return f"the destination engine receives KV over nccl; the source engine runs {source_channel}"
+    if transport != "auto" and destination_channel != transport:
+        return (f"this llumlet migrates KV over {transport} only; the destination engine receives over "
+                f"{destination_channel}")
     return None
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from llumnix.policies.migration import SELECT_POLICIES, MigrationConfig
 
+TRANSPORTS = ("auto", "tcp", "nccl")
 
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
@@ -27,6 +28,9 @@ class MigrationSettings:
     """Propose, Renew and Abort calls to the destination."""
     commit_timeout_s: float = 60.0
     """Commit answers after the destination's first token (a prefill of the unstaged tokens)."""
+    transport: str = "auto"
+    """The KV channel migrations use: "tcp" or "nccl" refuses a migration over the other; "auto" takes
+    the destination engine's channel when the source engine can send on it."""
 
     def __post_init__(self) -> None:
         if self.select not in SELECT_POLICIES:
@@ -37,6 +41,8 @@ class MigrationSettings:
             raise ValueError("migration stages, final delta and lease must not be negative")
         if self.commit_timeout_s <= 0:
             raise ValueError("the migration commit timeout must be positive")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown migration transport {self.transport!r}; choose one of {TRANSPORTS}")
 
     @property
     def policy(self) -> MigrationConfig:

@@ -22,7 +22,13 @@ from llumlet.admission import Admission, MovedTo, Suspension
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
-from llumlet.migration.rules import migration_refusal, resume_point, usable_staged_tokens
+from llumlet.migration.rules import (
+    channel_refusal,
+    engine_channel,
+    migration_refusal,
+    resume_point,
+    usable_staged_tokens,
+)
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
 from llumnix.load import blocks_for_tokens
@@ -250,6 +256,11 @@ class Source:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, f"the destination refused: {answer.reason}")
         progress.proposed = True
         progress.renewed = time.monotonic()
+        refusal = channel_refusal(self.settings.transport, engine_channel(handshake),
+                                  answer.transport or "tcp")
+        if refusal is not None:
+            await self._abandon(progress, refusal)
+            raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, refusal)
         return answer
 
     def _blocks_left(self, progress: _Progress) -> int:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import aiohttp
 import pytest_asyncio
@@ -111,6 +112,31 @@ async def test_refusals_change_nothing(destination: tuple) -> None:
     draining = node.propose(_proposal("m3", 4))
     assert not draining.accepted and "draining" in draining.reason
     assert _load(node) == (0, 0)
+
+
+async def test_the_answer_names_the_engines_kv_channel_and_a_source_that_cannot_use_it_is_refused(
+        destination: tuple) -> None:
+    node, _ = destination
+    node.handshake = lambda: {**HANDSHAKE, "kv_transport": "nccl"}
+    nccl = node.propose(_proposal("m1", 4, kv_transport="nccl"))
+    assert nccl.accepted and nccl.transport == "nccl"
+    tcp_source = node.propose(_proposal("m2", 4))
+    assert not tcp_source.accepted and "source engine runs tcp" in tcp_source.reason
+    assert _load(node) == (5, 1)  # only m1 holds blocks
+
+
+async def test_a_configured_transport_refuses_migrations_over_the_other(destination: tuple) -> None:
+    node, _ = destination
+    node.settings = replace(node.settings, transport="nccl")
+    refused = node.propose(_proposal("m1", 4))
+    assert not refused.accepted and "over nccl only" in refused.reason
+    node.settings = replace(node.settings, transport="tcp")
+    # An NCCL source engine sends to this TCP engine over TCP.
+    accepted = node.propose(_proposal("m2", 4, kv_transport="nccl"))
+    assert accepted.accepted and accepted.transport == "tcp"
+    node.handshake = lambda: {**HANDSHAKE, "kv_transport": "nccl"}
+    refused = node.propose(_proposal("m3", 4, kv_transport="nccl"))
+    assert not refused.accepted and "over tcp only" in refused.reason
 
 
 async def test_concurrency_bound_counts_migrations_in_and_out(destination: tuple) -> None:

@@ -1,4 +1,4 @@
-"""Which requests may migrate, and the request that resumes one elsewhere."""
+"""Which requests may migrate, over which KV channel, and the request that resumes one elsewhere."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from llumlet.migration.rules import migration_refusal, resume_point, usable_staged_tokens
+from llumlet.migration.rules import (
+    channel_refusal,
+    engine_channel,
+    migration_refusal,
+    resume_point,
+    usable_staged_tokens,
+)
 from llumlet.requests import RequestRecord
 from llumnix.openai_stream import EndpointKind
 
@@ -87,3 +93,31 @@ def test_only_kv_of_tokens_the_llumlet_saw_is_loaded_and_the_newest_is_recompute
     assert usable_staged_tokens(100, record) == 7
     assert usable_staged_tokens(4, record) == 4
     assert usable_staged_tokens(0, record) == 0
+
+
+@pytest.mark.parametrize(("transport", "source", "destination"), [
+    ("auto", "tcp", "tcp"), ("auto", "nccl", "tcp"), ("auto", "nccl", "nccl"),
+    ("tcp", "tcp", "tcp"), ("tcp", "nccl", "tcp"), ("nccl", "nccl", "nccl"),
+])
+def test_a_migration_over_the_destination_engines_channel_is_taken(
+        transport: str, source: str, destination: str) -> None:
+    assert channel_refusal(transport, source, destination) is None
+
+
+@pytest.mark.parametrize(("transport", "source", "destination", "reason"), [
+    # NCCL needs both engines on it; TCP any sender can use.
+    ("auto", "tcp", "nccl", "the source engine runs tcp"),
+    ("nccl", "tcp", "nccl", "the source engine runs tcp"),
+    ("tcp", "nccl", "nccl", "over tcp only; the destination engine receives over nccl"),
+    ("nccl", "tcp", "tcp", "over nccl only; the destination engine receives over tcp"),
+    ("nccl", "nccl", "tcp", "over nccl only"),
+])
+def test_a_migration_over_another_channel_is_refused(
+        transport: str, source: str, destination: str, reason: str) -> None:
+    refusal = channel_refusal(transport, source, destination)
+    assert refusal is not None and reason in refusal
+
+
+def test_an_engine_without_a_kv_transport_in_its_handshake_receives_over_tcp() -> None:
+    assert engine_channel({"kv_transport": None}) == engine_channel({}) == "tcp"
+    assert engine_channel({"kv_transport": "nccl"}) == "nccl"
