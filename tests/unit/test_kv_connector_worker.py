@@ -101,3 +101,53 @@ def test_block_major_buffers_hold_each_block_contiguously() -> None:
     target = KVBlockCopier({name: torch.zeros_like(t) for name, t in cache.items()}, 4)
     target.copy_in_block_major([1, 3], buffer)
     assert torch.equal(target.copy_out([1, 3]), copier.copy_out([2, 0]))
+
+
+def test_connector_workers_move_a_final_stage_and_load_it(tmp_path) -> None:
+    import zmq
+
+    from llumnix.engine.kv_connector_worker import ConnectorWorker
+    from llumnix.engine.kv_migration_plan import LoadItem
+    from llumnix.v1.kv_transfer_pb2 import MIGRATION_EVENT_KIND_LOAD_FAILED, MIGRATION_EVENT_KIND_LOADED
+
+    block_size = 4
+    source_cache, target_cache = _cache(1), _cache(2)
+    source, target = ConnectorWorker(block_size), ConnectorWorker(block_size)
+    source.register_kv_caches(source_cache, 16)
+    target.register_kv_caches(target_cache, 16)
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        for name, worker in (("source", source), ("target", target)):
+            worker.start_migration(f"ipc://{tmp_path}/{name}-events", "tcp", "127.0.0.1", 0,
+                                   send_timeout_s=5, staging_lease_s=60)
+            pull.connect(f"ipc://{tmp_path}/{name}-events")
+        assert source.kv_transport == "tcp" and target.kv_address.startswith("tcp://127.0.0.1:")
+
+        final = ExportItem("m", "r", "engine-r", 1, True, 0, (3, 7), 6, Destination(target.kv_address, "tcp"))
+        source.copy_exports([final], final=False)  # live stages only: the final one waits
+        assert source.take_finished_sending() == set()
+        source.copy_exports([final], final=True)
+        assert source.take_finished_sending() == {"engine-r"}
+
+        def next_event(kind: int) -> MigrationEvent:
+            while pull.poll(10_000):
+                event = MigrationEvent.FromString(pull.recv())
+                if event.kind == kind:
+                    return event
+            raise AssertionError(f"no event of kind {kind}")
+
+        next_event(MIGRATION_EVENT_KIND_STAGE_RECEIVED)
+        # The last token is recomputed: tokens [0, 5) come from staging, into blocks 12 and 5.
+        target.start_load([], [LoadItem("m", "r", "engine-r2", 0, 5, (12, 5))])
+        assert next_event(MIGRATION_EVENT_KIND_LOADED).num_tokens == 5
+        assert target.take_load_errors() == set()
+        copier = KVBlockCopier(target_cache, 16)
+        assert torch.equal(copier.copy_out([12, 5]), KVBlockCopier(source_cache, 16).copy_out([3, 7]))
+
+        target.start_load([], [LoadItem("gone", "r", "engine-r3", 0, 5, (1, 2))])
+        assert "no staging" in next_event(MIGRATION_EVENT_KIND_LOAD_FAILED).error
+        assert target.take_load_errors() == {1, 2}
+    finally:
+        pull.close(linger=0)
+        source.close()
+        target.close()
