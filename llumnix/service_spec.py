@@ -4,13 +4,14 @@
 `llumnix crd`); `CROSS_FIELD_RULES` are the checks a schema cannot express per field, each as a
 Kubernetes CEL rule (enforced by the API server) and the same rule in Python (enforced by
 `parse_service`, used by local mode and by the operator for status conditions).
-`parse_service` validates a manifest, fills every default and returns typed settings.
+`parse_service` validates a manifest, fills every default and returns typed settings (`ServiceSpec`,
+built once here; nothing else reads the spec as a dict).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,8 +240,8 @@ def apply_defaults(schema: dict, value: Any) -> Any:
     return value
 
 
-def validate_spec(spec: Any) -> dict:
-    """Validate `.spec` against SPEC_SCHEMA and CROSS_FIELD_RULES; return it with defaults filled."""
+def _validated(spec: Any) -> dict:
+    """`spec` with defaults filled, checked against SPEC_SCHEMA and CROSS_FIELD_RULES."""
     if not isinstance(spec, dict):
         raise SpecError("spec must be a mapping")
     filled = apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec))
@@ -255,48 +256,186 @@ def validate_spec(spec: Any) -> dict:
     return filled
 
 
+# The typed `.spec`: one frozen dataclass per object of SPEC_SCHEMA, field for field (camelCase keys
+# become snake_case; absent optional strings are None). Built only from a validated dict.
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    pvc: str | None
+    sub_path: str | None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str | None
+    source: ModelSource
+
+
+@dataclass(frozen=True)
+class EngineResources:
+    gpus: int
+    tensor_parallel_size: int
+    memory: str | None
+    cpu: str | None
+    node_selector: Mapping[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    runtime: str
+    image: str | None
+    args: tuple[str, ...]
+    block_size: int
+    resources: EngineResources
+
+
+@dataclass(frozen=True)
+class InstancesSpec:
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    policy: str
+    busy_freeness: float
+    top_k: int
+
+
+@dataclass(frozen=True)
+class MigrationSpec:
+    enabled: bool
+    interval_ms: int
+    freeness_threshold: float
+    select: str
+    transport: str
+    max_concurrent_per_instance: int
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool
+    scale_up_below: float
+    scale_down_above: float
+    interval_s: float
+    startup_grace_s: float
+    scale_down_stabilization_s: float
+
+
+@dataclass(frozen=True)
+class PrioritiesSpec:
+    target_load_tokens: int
+    header: str
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int
+    port: int
+    service_type: str
+    api_key_secret: str | None
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    engine: EngineSpec
+    replicas: int | None
+    """None: not set (the desired count is instances.min)."""
+    instances: InstancesSpec
+    dispatch: DispatchSpec
+    migration: MigrationSpec
+    autoscaling: AutoscalingSpec
+    priorities: PrioritiesSpec
+    router: RouterSpec
+
+    @classmethod
+    def from_validated(cls, spec: dict) -> ServiceSpec:
+        """The typed form of a dict `_validated` returned (every default filled)."""
+        model, engine, migration = spec["model"], spec["engine"], spec["migration"]
+        resources, autoscaling, router = engine["resources"], spec["autoscaling"], spec["router"]
+        return cls(
+            model=ModelSpec(model["name"], model.get("path"),
+                            ModelSource(model["source"].get("pvc"), model["source"].get("subPath"))),
+            engine=EngineSpec(
+                runtime=engine["runtime"], image=engine.get("image"), args=tuple(engine["args"]),
+                block_size=engine["blockSize"],
+                resources=EngineResources(
+                    gpus=resources["gpus"], tensor_parallel_size=resources["tensorParallelSize"],
+                    memory=resources.get("memory"), cpu=resources.get("cpu"),
+                    node_selector=dict(resources.get("nodeSelector") or {}),
+                    tolerations=tuple(resources.get("tolerations") or ()))),
+            replicas=spec.get("replicas"),
+            instances=InstancesSpec(spec["instances"]["min"], spec["instances"]["max"]),
+            dispatch=DispatchSpec(spec["dispatch"]["policy"], spec["dispatch"]["busyFreeness"],
+                                  spec["dispatch"]["topK"]),
+            migration=MigrationSpec(
+                enabled=migration["enabled"], interval_ms=migration["intervalMs"],
+                freeness_threshold=migration["freenessThreshold"], select=migration["select"],
+                transport=migration["transport"],
+                max_concurrent_per_instance=migration["maxConcurrentPerInstance"]),
+            autoscaling=AutoscalingSpec(
+                enabled=autoscaling["enabled"], scale_up_below=autoscaling["scaleUpBelow"],
+                scale_down_above=autoscaling["scaleDownAbove"], interval_s=autoscaling["intervalSeconds"],
+                startup_grace_s=autoscaling["startupGraceSeconds"],
+                scale_down_stabilization_s=autoscaling["scaleDownStabilizationSeconds"]),
+            priorities=PrioritiesSpec(spec["priorities"]["targetLoadTokens"], spec["priorities"]["header"]),
+            router=RouterSpec(router["replicas"], router["port"], router["serviceType"],
+                              router.get("apiKeySecret")),
+        )
+
+
+def validate_spec(spec: Any) -> ServiceSpec:
+    """Validate `.spec` against SPEC_SCHEMA and CROSS_FIELD_RULES; return it typed, defaults filled."""
+    return ServiceSpec.from_validated(_validated(spec))
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
-    """A validated LLMService: its name and its spec with every default filled."""
+    """A validated LLMService: its name and its typed spec with every default filled."""
 
     name: str
     namespace: str
-    spec: dict
+    spec: ServiceSpec
 
     @property
     def desired_instances(self) -> int:
-        return int(self.spec.get("replicas", self.spec["instances"]["min"]))
+        return self.spec.instances.min if self.spec.replicas is None else self.spec.replicas
 
     @property
     def load_model(self) -> LoadModelConfig:
-        return LoadModelConfig(high_priority_target_tokens=self.spec["priorities"]["targetLoadTokens"])
+        return LoadModelConfig(high_priority_target_tokens=self.spec.priorities.target_load_tokens)
 
     @property
     def migration(self) -> MigrationConfig:
-        m = self.spec["migration"]
+        m = self.spec.migration
         return MigrationConfig(
-            freeness_threshold=m["freenessThreshold"],
-            select=m["select"],
-            max_concurrent_per_instance=m["maxConcurrentPerInstance"],
+            freeness_threshold=m.freeness_threshold,
+            select=m.select,
+            max_concurrent_per_instance=m.max_concurrent_per_instance,
         )
 
     @property
     def llumlet_args(self) -> list[str]:
         """The llumlet flags this spec sets, the same on a cluster and in local mode."""
-        return ["--high-priority-target-tokens", str(self.spec["priorities"]["targetLoadTokens"]),
-                "--migration-select", self.spec["migration"]["select"],
-                "--max-concurrent-migrations", str(self.spec["migration"]["maxConcurrentPerInstance"])]
+        m = self.spec.migration
+        return ["--high-priority-target-tokens", str(self.spec.priorities.target_load_tokens),
+                "--migration-select", m.select,
+                "--max-concurrent-migrations", str(m.max_concurrent_per_instance)]
 
     @property
     def autoscaling(self) -> AutoscalingConfig:
-        a, instances = self.spec["autoscaling"], self.spec["instances"]
+        a, instances = self.spec.autoscaling, self.spec.instances
         return AutoscalingConfig(
-            scale_up_below=a["scaleUpBelow"],
-            scale_down_above=a["scaleDownAbove"],
-            min_instances=instances["min"],
-            max_instances=instances["max"],
-            interval_s=a["intervalSeconds"],
-            startup_delay_s=a["startupGraceSeconds"],
+            scale_up_below=a.scale_up_below,
+            scale_down_above=a.scale_down_above,
+            min_instances=instances.min,
+            max_instances=instances.max,
+            interval_s=a.interval_s,
+            startup_delay_s=a.startup_grace_s,
         )
 
 

@@ -28,7 +28,8 @@ from tqdm import tqdm
 from llumnix.bench import BenchConfig, format_summary, run_bench
 from llumnix.control.admin_api import admin_app
 from llumnix.control.local_backend import LocalProcessBackend, pair_config
-from llumnix.control.loop import ControlLoop, outcome_name
+from llumnix.control.loop import ControlLoop
+from llumnix.control.migration_pass import outcome_name
 from llumnix.control.status import ControlEvent, ServiceStatus
 from llumnix.jsonlog import configure_json_logging
 from llumnix.router import cli as router_cli
@@ -216,7 +217,7 @@ async def run_workload(service: LocalService, args: argparse.Namespace, requests
     done = asyncio.Event()
     migration = asyncio.create_task(force_migration(service, done)) if demo else None
     try:
-        config = BenchConfig(url=service.router.url, model=service.settings.spec["model"]["name"])
+        config = BenchConfig(url=service.router.url, model=service.settings.spec.model.name)
         result = await run_bench(config, trace)
     finally:
         done.set()
@@ -245,10 +246,10 @@ async def serve(args: argparse.Namespace, settings: ServiceSettings, work_dir: P
     code = 0
     try:
         await service.start()
-        print(f"service {settings.name}: {settings.spec['engine']['runtime']} engines, logs in {work_dir}")
+        print(f"service {settings.name}: {settings.spec.engine.runtime} engines, logs in {work_dir}")
         if not await service.wait_serving(stop):
             return 0 if stop.is_set() else 1
-        print(f"serving {settings.spec['model']['name']!r} at {service.router.url}/v1 "
+        print(f"serving {settings.spec.model.name!r} at {service.router.url}/v1 "
               f"(OpenAI API); admin API at {service.admin_url} "
               f"(`llumnix admin --url {service.admin_url} status`)", flush=True)
         if workload:
@@ -275,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = load_service_file(args.file)
         model_dir = None
-        spec = settings.spec
-        if spec["engine"]["runtime"] == "vllm-cpu" and not spec["model"].get("path"):
+        if settings.spec.engine.runtime == "vllm-cpu" and not settings.spec.model.path:
             print(f"building the tiny model under {args.model_cache} (once)...", flush=True)
             model_dir = ensure_tiny_model(args.model_cache, PRESETS["test"])
         work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix=f"llumnix-up-{settings.name}-"))

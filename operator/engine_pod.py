@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from llumnix.launch.engine_process import EngineLaunchConfig, build_command
-from llumnix.service_spec import ServiceSettings
+from llumnix.service_spec import EngineResources, ModelSource, ModelSpec, ServiceSettings, ServiceSpec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.naming import (
     ENGINE,
@@ -39,19 +39,17 @@ POD_IP_VAR = {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "statu
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
-def model_location(spec: dict) -> str:
+def model_location(model: ModelSpec) -> str:
     """What the engine loads: inside the model volume when the spec names a PVC, else the path or hub id."""
-    model = spec["model"]
-    path = model.get("path")
-    if model["source"].get("pvc"):
-        return str(PurePosixPath(MODEL_MOUNT) / path) if path else MODEL_MOUNT
-    return path or model["name"]
+    if model.source.pvc:
+        return str(PurePosixPath(MODEL_MOUNT) / model.path) if model.path else MODEL_MOUNT
+    return model.path or model.name
 
 
-def engine_command(spec: dict) -> tuple[list[str], dict[str, str]]:
+def engine_command(spec: ServiceSpec) -> tuple[list[str], dict[str, str]]:
     """argv and environment of the engine container."""
-    engine, model_name = spec["engine"], spec["model"]["name"]
-    if engine["runtime"] == "sim":
+    engine, model_name = spec.engine, spec.model.name
+    if engine.runtime == "sim":
         argv = [
             "python",
             "-m",
@@ -65,20 +63,20 @@ def engine_command(spec: dict) -> tuple[list[str], dict[str, str]]:
             "--snapshot-addr",
             SNAPSHOT_ADDR,
             "--block-size",
-            str(engine["blockSize"]),
-            *engine["args"],
+            str(engine.block_size),
+            *engine.args,
         ]
         return argv, {}
-    extra = list(engine["args"])
-    tp = engine["resources"]["tensorParallelSize"]
+    extra = list(engine.args)
+    tp = engine.resources.tensor_parallel_size
     if tp > 1:
         extra = ["--tensor-parallel-size", str(tp), *extra]
     launch = EngineLaunchConfig(
-        model=model_location(spec),
+        model=model_location(spec.model),
         port=ENGINE_PORT,
         served_model_name=model_name,
-        device="cpu" if engine["runtime"] == "vllm-cpu" else "gpu",
-        block_size=engine["blockSize"],
+        device="cpu" if engine.runtime == "vllm-cpu" else "gpu",
+        block_size=engine.block_size,
         snapshot_addr=SNAPSHOT_ADDR,
         extra_args=tuple(extra),
         python="python",
@@ -88,16 +86,15 @@ def engine_command(spec: dict) -> tuple[list[str], dict[str, str]]:
     return argv, {**env, KV_HOST_ENV: POD_IP_REF}
 
 
-def _resources(spec: dict) -> dict[str, Any]:
-    res = spec["engine"]["resources"]
+def _resources(res: EngineResources) -> dict[str, Any]:
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
-    if res["gpus"]:
-        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(res["gpus"])
-    if res.get("memory"):
-        requests["memory"] = limits["memory"] = res["memory"]
-    if res.get("cpu"):
-        requests["cpu"] = res["cpu"]
+    if res.gpus:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(res.gpus)
+    if res.memory:
+        requests["memory"] = limits["memory"] = res.memory
+    if res.cpu:
+        requests["cpu"] = res.cpu
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
@@ -125,7 +122,7 @@ def _health_probe(period_s: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+def _volumes(source: ModelSource) -> tuple[list[dict], list[dict]]:
     volumes: list[dict] = [
         {"name": "llumnix-run", "emptyDir": {}},
         # vLLM's workers exchange tensors through /dev/shm; the container default (64 MiB) is too small.
@@ -135,14 +132,13 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
         {"name": "llumnix-run", "mountPath": SOCKET_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    source = spec["model"]["source"]
-    if source.get("pvc"):
+    if source.pvc:
         volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": source["pvc"], "readOnly": True}}
+            {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc, "readOnly": True}}
         )
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        if source.get("subPath"):
-            mount["subPath"] = source["subPath"]
+        mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        if source.sub_path:
+            mount["subPath"] = source.sub_path
         mounts.append(mount)
     return volumes, mounts
 
@@ -150,10 +146,10 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
 def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
     """The pod every instance is created from, without the hash annotation."""
     spec, name = settings.spec, settings.name
-    engine = spec["engine"]
+    engine = spec.engine
     argv, env = engine_command(spec)
-    volumes, mounts = _volumes(spec)
-    image = engine.get("image") or (config.image if engine["runtime"] == "sim" else config.vllm_image)
+    volumes, mounts = _volumes(spec.model.source)
+    image = engine.image or (config.image if engine.runtime == "sim" else config.vllm_image)
     engine_container = {
         "name": "engine",
         "image": image,
@@ -162,7 +158,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         # POD_IP first: later values refer to it.
         "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items()))],
         "ports": [{"name": "engine-http", "containerPort": ENGINE_PORT}],
-        "resources": _resources(spec),
+        "resources": _resources(engine.resources),
         "volumeMounts": mounts,
         # The engine must outlive the llumlet's drain: migrations read its KV cache.
         "lifecycle": {"preStop": _drain_hook(config)},
@@ -177,7 +173,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
             "--host",
             "0.0.0.0",  # the pod's own addresses (probes and peers use the pod IP)
             "--engine-url",
-            f"http://{POD_IP_REF if engine['runtime'] == 'sim' else '127.0.0.1'}:{ENGINE_PORT}",
+            f"http://{POD_IP_REF if engine.runtime == 'sim' else '127.0.0.1'}:{ENGINE_PORT}",
             "--snapshot-addr",
             SNAPSHOT_ADDR,
             "--http-port",
@@ -204,7 +200,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "livenessProbe": _health_probe(10, 6),
         "lifecycle": {"preStop": _drain_hook(config)},
     }
-    resources = engine["resources"]
+    resources = engine.resources
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account_name(name),
         "automountServiceAccountToken": False,
@@ -213,10 +209,10 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "containers": [engine_container, llumlet_container],
         "volumes": volumes,
     }
-    if resources.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(resources["nodeSelector"])
-    if resources.get("tolerations"):
-        pod_spec["tolerations"] = copy.deepcopy(resources["tolerations"])
+    if resources.node_selector:
+        pod_spec["nodeSelector"] = dict(resources.node_selector)
+    if resources.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(resources.tolerations))
     return {"metadata": {"labels": labels(name, ENGINE)}, "spec": pod_spec}
 
 

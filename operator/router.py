@@ -22,36 +22,36 @@ API_KEYS_DIR = "/etc/llumnix/api-keys"
 
 def router_args(settings: ServiceSettings) -> list[str]:
     spec = settings.spec
-    dispatch, priorities = spec["dispatch"], spec["priorities"]
+    dispatch, priorities = spec.dispatch, spec.priorities
     args = [
         "router",
         "--host",
         "0.0.0.0",
         "--model",
-        spec["model"]["name"],
+        spec.model.name,
         "--instances-dns",
         f"{llumlets_dns_name(settings)}:{LLUMLET_GRPC_PORT}",
         "--port",
-        str(spec["router"]["port"]),
+        str(spec.router.port),
         "--dispatch-policy",
-        dispatch["policy"],
+        dispatch.policy,
         "--busy-freeness",
-        str(dispatch["busyFreeness"]),
+        str(dispatch.busy_freeness),
         "--top-k",
-        str(dispatch["topK"]),
+        str(dispatch.top_k),
         "--high-priority-target-tokens",
-        str(priorities["targetLoadTokens"]),
+        str(priorities.target_load_tokens),
         "--priority-header",
-        priorities["header"],
+        priorities.header,
     ]
-    if spec["router"].get("apiKeySecret"):
+    if spec.router.api_key_secret:
         args += ["--api-keys-file", f"{API_KEYS_DIR}/keys"]
     return args
 
 
 def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
-    spec, name = settings.spec, settings.name
-    port = spec["router"]["port"]
+    router, name = settings.spec.router, settings.name
+    port = router.port
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     container: dict[str, Any] = {
         "name": "router",
@@ -67,7 +67,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
         "automountServiceAccountToken": False,
         "containers": [container],
     }
-    secret = spec["router"].get("apiKeySecret")
+    secret = router.api_key_secret
     if secret:
         container["volumeMounts"] = [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
         pod_spec["volumes"] = [{"name": "api-keys", "secret": {"secretName": secret}}]
@@ -80,7 +80,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
             "labels": labels(name, ROUTER),
         },
         "spec": {
-            "replicas": spec["router"]["replicas"],
+            "replicas": router.replicas,
             "selector": {"matchLabels": selector(name, ROUTER)},
             "template": {"metadata": {"labels": labels(name, ROUTER)}, "spec": pod_spec},
         },
@@ -88,7 +88,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
 
 
 def router_service(settings: ServiceSettings) -> dict[str, Any]:
-    name, router = settings.name, settings.spec["router"]
+    name, router = settings.name, settings.spec.router
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -98,8 +98,8 @@ def router_service(settings: ServiceSettings) -> dict[str, Any]:
             "labels": labels(name, ROUTER),
         },
         "spec": {
-            "type": router["serviceType"],
+            "type": router.service_type,
             "selector": selector(name, ROUTER),
-            "ports": [{"name": "http", "port": router["port"], "targetPort": "http"}],
+            "ports": [{"name": "http", "port": router.port, "targetPort": "http"}],
         },
     }

@@ -17,7 +17,8 @@ from typing import Any
 import kubernetes
 
 from llumnix.control.backend import InstancePhase
-from llumnix.control.loop import ControlLoop, UnknownInstance
+from llumnix.control.fleet import UnknownInstance
+from llumnix.control.loop import ControlLoop
 from llumnix.control.status import ControlEvent
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
 from llumnix_operator.build_config import BuildConfig
@@ -192,7 +193,7 @@ class ServiceRunner:
     async def publish_autoscaled_count(self) -> None:
         """With built-in autoscaling on, the loop's count is written to spec.replicas (the /scale
         subresource, so `kubectl get --subresource=scale` and HPA see it)."""
-        if self.loop is None or self.settings is None or not self.settings.spec["autoscaling"]["enabled"]:
+        if self.loop is None or self.settings is None or not self.settings.spec.autoscaling.enabled:
             return
         if self.loop.target is None:
             return

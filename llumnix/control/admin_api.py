@@ -15,7 +15,9 @@ import json
 import grpc
 from aiohttp import web
 
-from llumnix.control.loop import ControlLoop, UnknownInstance, outcome_name
+from llumnix.control.fleet import UnknownInstance
+from llumnix.control.loop import ControlLoop
+from llumnix.control.migration_pass import outcome_name
 
 LOOP_KEY = web.AppKey("control_loop", ControlLoop)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class _LocalInstance:
     starting: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
-def max_model_len(args: list[str], default: int) -> int:
+def max_model_len(args: Sequence[str], default: int) -> int:
     """`--max-model-len` from the engine args (`--max-model-len N` or `=N`; the last one wins, as in
     argparse), else `default`; the pair passes it to the engine and the router learns it."""
     value = None
@@ -55,25 +56,25 @@ def pair_config(settings: ServiceSettings, instance_id: str, work_dir: Path, mod
                 ) -> PairConfig:
     """The engine + llumlet pair for one instance of `settings` (SpecError when it cannot run here)."""
     spec = settings.spec
-    engine = spec["engine"]
-    runtime = engine["runtime"]
-    common = {"instance_id": instance_id, "work_dir": work_dir, "served_model_name": spec["model"]["name"],
-              "block_size": engine["blockSize"], "engine_args": tuple(engine["args"]),
+    engine = spec.engine
+    runtime = engine.runtime
+    common = {"instance_id": instance_id, "work_dir": work_dir, "served_model_name": spec.model.name,
+              "block_size": engine.block_size, "engine_args": engine.args,
               "llumlet_args": tuple(settings.llumlet_args), "shutdown_grace_s": LOCAL_SHUTDOWN_GRACE_S,
               # the manifest's start-up grace is how long a start may take, here as on a cluster
-              "engine_start_timeout_s": spec["autoscaling"]["startupGraceSeconds"]}
+              "engine_start_timeout_s": spec.autoscaling.startup_grace_s}
     if runtime == "sim":
-        return PairConfig(engine="sim", max_model_len=max_model_len(engine["args"], SIM_MAX_MODEL_LEN),
+        return PairConfig(engine="sim", max_model_len=max_model_len(engine.args, SIM_MAX_MODEL_LEN),
                           **common)  # type: ignore[arg-type]
-    path = Path(spec["model"]["path"]) if spec["model"].get("path") else model_dir
+    path = Path(spec.model.path) if spec.model.path else model_dir
     if path is None:
         raise SpecError(f"spec.model.path is required for runtime {runtime} (local mode builds a tiny "
                         "model only for vllm-cpu without a path)")
-    if engine["blockSize"] % 32:
+    if engine.block_size % 32:
         raise SpecError("spec.engine.blockSize must be a multiple of 32 for CPU vLLM, "
-                        f"got {engine['blockSize']}")
+                        f"got {engine.block_size}")
     return PairConfig(engine="vllm", model_dir=path,
-                      max_model_len=max_model_len(engine["args"], VLLM_MAX_MODEL_LEN), **common)  # type: ignore[arg-type]
+                      max_model_len=max_model_len(engine.args, VLLM_MAX_MODEL_LEN), **common)  # type: ignore[arg-type]
 
 
 class LocalProcessBackend(InstanceBackend):

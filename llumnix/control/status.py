@@ -38,6 +38,8 @@ class ScalingDecision:
     reason: str
     time: float
     instance_id: str | None = None
+    aggregate_freeness: float | None = None
+    """The service's aggregate freeness the decision was taken at (None: no load yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +48,7 @@ class ServiceStatus:
     desired: int
     instances: tuple[InstanceStatus, ...]
     aggregate_freeness: float | None
-    """Freeness of the serving instances seen as one (None: no load yet)."""
+    """Freeness of the READY instances seen as one, draining ones aside (None: no load yet)."""
     migrations: dict[str, int] = field(default_factory=dict)
     """Outcome name (committed, refused, aborted, ..., error, unsupported) -> count."""
     scale_ups: int = 0

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import socket
 from pathlib import Path
+from typing import TypeVar
 
 from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
@@ -27,7 +28,9 @@ from llumnix.router.instance_source import (
     parse_addresses,
 )
 from llumnix.router.server import Router, RouterConfig
-from llumnix.service_spec import SpecError, load_service_file
+from llumnix.service_spec import DispatchSpec, PrioritiesSpec, SpecError, load_service_file
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,35 +83,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _first(*values: object) -> object:
-    return next(v for v in values if v is not None)
+def _first(given: T | None, default: T) -> T:
+    return default if given is None else given
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
-    spec: dict = load_service_file(args.service).spec if args.service else {}
-    dispatch = spec.get("dispatch", {})
-    priorities = spec.get("priorities", {})
-    model = args.model or spec.get("model", {}).get("name")
+    """The flags given, else the manifest's values (--service), else the router's defaults."""
+    spec = load_service_file(args.service).spec if args.service else None
+    model = args.model or (spec.model.name if spec else None)
     if not model:
         raise ValueError("give --model (the served model name) or --service")
-    target = _first(args.high_priority_target_tokens, priorities.get("targetLoadTokens"),
-                    DEFAULT_HIGH_PRIORITY_TARGET_TOKENS)
+    if spec is not None:
+        dispatch, priorities, port = spec.dispatch, spec.priorities, spec.router.port
+    else:  # no manifest: the router's own defaults, the same as the schema's
+        dispatch = DispatchSpec("llumnix", DEFAULT_BUSY_FREENESS, 1)
+        priorities = PrioritiesSpec(DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, "x-llumnix-priority")
+        port = 8000
     api = ApiSettings(
         model=model,
         limits=RequestLimits(args.max_body_bytes, args.max_tokens, args.max_prompt_tokens),
-        priorities=PrioritySettings(str(_first(args.priority_header, priorities.get("header"),
-                                               "x-llumnix-priority")).lower(), args.priority_field),
+        priorities=PrioritySettings(_first(args.priority_header, priorities.header).lower(),
+                                    args.priority_field),
         generation=GenerationLimits(args.max_attempts, args.max_model_len),
     )
     return RouterConfig(
         api=api,
         host=args.host,
-        port=int(_first(args.port, spec.get("router", {}).get("port"), 8000)),  # type: ignore[call-overload]
-        dispatch_policy=str(_first(args.dispatch_policy, dispatch.get("policy"), "llumnix")),
-        busy_freeness=float(_first(args.busy_freeness, dispatch.get("busyFreeness"),  # type: ignore[arg-type]
-                                   DEFAULT_BUSY_FREENESS)),
-        top_k=int(_first(args.top_k, dispatch.get("topK"), 1)),  # type: ignore[call-overload]
-        load_model=LoadModelConfig(int(target)),  # type: ignore[call-overload]
+        port=_first(args.port, port),
+        dispatch_policy=_first(args.dispatch_policy, dispatch.policy),
+        busy_freeness=float(_first(args.busy_freeness, dispatch.busy_freeness)),
+        top_k=_first(args.top_k, dispatch.top_k),
+        load_model=LoadModelConfig(_first(args.high_priority_target_tokens, priorities.target_load_tokens)),
         queue_capacity=args.queue_size,
         queue_timeout_s=args.queue_timeout,
         api_keys=load_api_keys(args.api_keys_file),

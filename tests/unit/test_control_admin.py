@@ -100,10 +100,10 @@ def test_example_manifests_validate(path: Path) -> None:
 
 def test_the_examples_cover_local_cpu_sim_autoscaling_and_gpu() -> None:
     runtimes = {p.name: load_service_file(str(p)).spec for p in EXAMPLES.glob("*.yaml")}
-    assert runtimes["local-cpu.yaml"]["engine"]["runtime"] == "vllm-cpu"
-    assert runtimes["local-sim.yaml"]["instances"]["min"] == 16
-    assert runtimes["autoscale-sim.yaml"]["autoscaling"]["enabled"]
-    assert runtimes["gpu-cluster.yaml"]["engine"]["resources"]["gpus"] == 1
+    assert runtimes["local-cpu.yaml"].engine.runtime == "vllm-cpu"
+    assert runtimes["local-sim.yaml"].instances.min == 16
+    assert runtimes["autoscale-sim.yaml"].autoscaling.enabled
+    assert runtimes["gpu-cluster.yaml"].engine.resources.gpus == 1
 
 
 def test_options_may_come_before_or_after_the_action() -> None:

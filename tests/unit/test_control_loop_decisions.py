@@ -11,7 +11,8 @@ import pytest
 from control_fakes import TOTAL_BLOCKS, Harness, request, settings
 
 from llumnix.control.backend import InstancePhase
-from llumnix.control.loop import EMPTY_BEFORE_RELEASE_S, UnknownInstance
+from llumnix.control.drains import EMPTY_BEFORE_RELEASE_S
+from llumnix.control.fleet import UnknownInstance
 from llumnix.v1 import migration_pb2 as mpb
 
 

@@ -2,7 +2,14 @@
 
 import pytest
 
-from llumnix.service_spec import SpecError, load_service_file, parse_service, validate_spec
+from llumnix.service_spec import (
+    InstancesSpec,
+    ModelSource,
+    SpecError,
+    load_service_file,
+    parse_service,
+    validate_spec,
+)
 
 
 def manifest(**spec) -> dict:
@@ -18,12 +25,15 @@ def test_minimal_manifest_gets_every_default() -> None:
     settings = parse_service(manifest())
     spec = settings.spec
     assert settings.name == "llama" and settings.namespace == "default"
-    assert spec["engine"]["runtime"] == "vllm"
-    assert spec["instances"] == {"min": 1, "max": 16}
-    assert spec["dispatch"]["policy"] == "llumnix"
-    assert spec["migration"]["intervalMs"] == 100
-    assert spec["autoscaling"]["scaleUpBelow"] == 10.0
-    assert spec["priorities"]["targetLoadTokens"] == 1600
+    assert spec.engine.runtime == "vllm"
+    assert spec.instances == InstancesSpec(min=1, max=16)
+    assert spec.replicas is None
+    assert spec.dispatch.policy == "llumnix"
+    assert spec.migration.interval_ms == 100
+    assert spec.migration.transport == "auto"
+    assert spec.autoscaling.scale_up_below == 10.0
+    assert spec.priorities.target_load_tokens == 1600
+    assert spec.model.source == ModelSource(pvc=None, sub_path=None)
     assert settings.desired_instances == 1
     assert settings.migration.freeness_threshold == 3.0
     assert settings.autoscaling.max_instances == 16
@@ -41,8 +51,44 @@ def test_given_values_are_kept() -> None:
     )
     assert settings.desired_instances == 4
     assert settings.migration.select == "shortest"
-    assert settings.spec["migration"]["enabled"] is True  # default kept beside the given field
+    assert settings.spec.migration.enabled is True  # default kept beside the given field
     assert settings.autoscaling.scale_down_above == 50
+
+
+def test_every_given_field_reaches_the_typed_spec() -> None:
+    spec = parse_service(
+        manifest(
+            model={"name": "llama-7b", "path": "llama-2-7b", "source": {"pvc": "models", "subPath": "l"}},
+            engine={"runtime": "sim", "image": "img", "args": ["--x"], "blockSize": 32,
+                    "resources": {"gpus": 2, "tensorParallelSize": 2, "memory": "8Gi", "cpu": "4",
+                                  "nodeSelector": {"gpu": "a10"}, "tolerations": [{"key": "gpu"}]}},
+            replicas=3,
+            instances={"min": 2, "max": 5},
+            dispatch={"policy": "round-robin", "busyFreeness": 1.5, "topK": 2},
+            migration={"enabled": False, "intervalMs": 50, "freenessThreshold": 2.0, "select": "longest",
+                       "transport": "nccl", "maxConcurrentPerInstance": 3},
+            autoscaling={"enabled": True, "scaleUpBelow": 5, "scaleDownAbove": 50, "intervalSeconds": 2,
+                         "startupGraceSeconds": 20, "scaleDownStabilizationSeconds": 7},
+            priorities={"targetLoadTokens": 800, "header": "x-p"},
+            router={"replicas": 2, "port": 9000, "serviceType": "NodePort", "apiKeySecret": "keys"},
+        )
+    ).spec
+    assert (spec.model.path, spec.model.source) == ("llama-2-7b", ModelSource("models", "l"))
+    assert (spec.engine.image, spec.engine.args, spec.engine.block_size) == ("img", ("--x",), 32)
+    res = spec.engine.resources
+    assert (res.gpus, res.tensor_parallel_size, res.memory, res.cpu) == (2, 2, "8Gi", "4")
+    assert res.node_selector == {"gpu": "a10"} and res.tolerations == ({"key": "gpu"},)
+    assert spec.replicas == 3 and spec.instances == InstancesSpec(2, 5)
+    assert (spec.dispatch.policy, spec.dispatch.busy_freeness, spec.dispatch.top_k) == ("round-robin", 1.5, 2)
+    m = spec.migration
+    assert (m.enabled, m.interval_ms, m.freeness_threshold, m.select, m.transport,
+            m.max_concurrent_per_instance) == (False, 50, 2.0, "longest", "nccl", 3)
+    a = spec.autoscaling
+    assert (a.enabled, a.scale_up_below, a.scale_down_above, a.interval_s, a.startup_grace_s,
+            a.scale_down_stabilization_s) == (True, 5, 50, 2, 20, 7)
+    assert (spec.priorities.target_load_tokens, spec.priorities.header) == (800, "x-p")
+    r = spec.router
+    assert (r.replicas, r.port, r.service_type, r.api_key_secret) == (2, 9000, "NodePort", "keys")
 
 
 @pytest.mark.parametrize(
@@ -82,7 +128,7 @@ def test_load_service_file(tmp_path) -> None:
         "apiVersion: llumnix.io/v1alpha1\nkind: LLMService\nmetadata: {name: tiny}\n"
         "spec:\n  model: {name: tiny}\n  engine: {runtime: sim}\n"
     )
-    assert load_service_file(str(path)).spec["engine"]["runtime"] == "sim"
+    assert load_service_file(str(path)).spec.engine.runtime == "sim"
     (tmp_path / "bad.yaml").write_text("a: [")
     with pytest.raises(SpecError, match="not valid YAML"):
         load_service_file(str(tmp_path / "bad.yaml"))

@@ -1,0 +1,63 @@
+"""The autoscaling pass: `autoscaling.decide` over the loads moves the target instance count (the
+reconcile pass then starts, drains and releases); a scale-down waits for its stabilization window."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llumnix.control.backend import InstancePhase
+from llumnix.control.drains import Drains
+from llumnix.control.fleet import Fleet
+from llumnix.control.reporting import Reporter
+from llumnix.policies import autoscaling
+from llumnix.service_spec import ServiceSettings
+
+
+class AutoscalingPass:
+    def __init__(self, fleet: Fleet, drains: Drains, reporter: Reporter, clock: Callable[[], float]) -> None:
+        self.fleet = fleet
+        self.drains = drains
+        self.reporter = reporter
+        self.clock = clock
+        self.target: int | None = None
+        """The instance count autoscaling wants (None: not yet adopted)."""
+        self._scale_down_wanted_since: float | None = None
+
+    def adopt_target(self) -> None:
+        """Start from the serving count found (instances starting or READY, not draining)."""
+        self.target = sum(1 for i in self.fleet.instances.values()
+                          if i.phase in (InstancePhase.STARTING, InstancePhase.READY)
+                          and i.instance_id not in self.drains)
+
+    async def step(self, settings: ServiceSettings, desired: int) -> bool:
+        """One decision; True when the caller is to meet the (possibly moved) target now. `desired`:
+        the instance count before the decision."""
+        ready = self.fleet.count(InstancePhase.READY)
+        loads = self.fleet.loads()
+        if self.target is None or len(loads) < ready:
+            return False  # a READY instance without a load yet: decide on the whole picture only
+        config = settings.autoscaling
+        action = autoscaling.decide(loads, self.fleet.count(InstancePhase.STARTING), config,
+                                    settings.load_model)
+        if action.kind != "drain":
+            self._scale_down_wanted_since = None
+        if action.kind == "scale-up":
+            self.target = min(desired + 1, config.max_instances)
+            self.reporter.decide("scale-up", action.reason)
+        elif action.kind == "cancel-drain" and action.instance_id is not None:
+            self.target = min(desired + 1, config.max_instances)
+            self.reporter.decide("cancel-drain", action.reason, action.instance_id)
+            self.drains.cancel(action.instance_id, action.reason)
+            await self.fleet.push_draining(action.instance_id)
+        elif action.kind == "drain" and action.instance_id is not None:
+            now = self.clock()
+            if self._scale_down_wanted_since is None:
+                self._scale_down_wanted_since = now
+            if now - self._scale_down_wanted_since >= settings.spec.autoscaling.scale_down_stabilization_s:
+                self._scale_down_wanted_since = None
+                self.target = max(desired - 1, config.min_instances)
+                self.drains.mark(action.instance_id, "scale-down", action.reason)
+                await self.fleet.push_draining(action.instance_id)
+        else:
+            return False
+        return True
