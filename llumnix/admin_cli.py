@@ -68,7 +68,8 @@ def format_status(status: dict[str, Any]) -> str:
     decision = status.get("last_decision")
     if decision:
         lines.append(f"last decision: {decision['kind']} {decision.get('instance_id') or ''} "
-                     f"({decision['reason']})")
+                     f"({decision['reason']}; aggregate freeness "
+                     f"{_fmt(decision.get('aggregate_freeness'))})")
     return "\n".join(lines)
 
 

@@ -89,7 +89,8 @@ def status_line(status: ServiceStatus, in_flight: int) -> str:
     running = sum(i.running for i in status.instances)
     waiting = sum(i.waiting for i in status.instances)
     migrations = sum(v for k, v in status.migrations.items() if k == "committed")
-    return (f"{status.ready}/{status.desired} ready | freeness {loads or '-'} | running {running} "
+    return (f"{status.ready}/{status.desired} ready | freeness {loads or '-'} "
+            f"(aggregate {fmt(status.aggregate_freeness)}) | running {running} "
             f"waiting {waiting} in-flight {in_flight} | migrations {migrations}")
 
 

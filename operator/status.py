@@ -1,6 +1,6 @@
 """The LLMService `.status` (schema: `llumnix_operator.crd.STATUS_SCHEMA`) from the control loop's
-`ServiceStatus`: counts, freeness, per-instance summary, the last scaling decision, and the Ready /
-Progressing / Degraded conditions with their reasons."""
+`ServiceStatus`: counts, freeness, per-instance summary, the last scaling decision (with the aggregate
+freeness it was taken at), and the Ready / Progressing / Degraded conditions with their reasons."""
 
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ def service_status(
                 "action": decision.kind,
                 "instance": decision.instance_id,
                 "reason": decision.reason,
+                "aggregateFreeness": _finite(decision.aggregate_freeness),
             }
         )
     return _drop_none(result)

@@ -14,7 +14,9 @@ from control_fakes import Harness, request, settings
 
 from llumnix import admin_cli
 from llumnix.control.admin_api import admin_app
+from llumnix.control.status import InstanceStatus, ServiceStatus
 from llumnix.service_spec import load_service_file
+from llumnix.up import status_line
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -38,6 +40,13 @@ async def test_status_lists_instances_with_their_loads(admin: tuple[Harness, Tes
     assert [i["instance_id"] for i in body["instances"]] == ["i0", "i1"]
     assert body["instances"][0]["running"] == 1 and body["ready"] == 2 and body["desired"] == 2
     assert body["instances"][0]["freeness"] == pytest.approx(90.0)
+    assert body["aggregate_freeness"] == pytest.approx(200 - 10)  # both seen as one, 1 request
+
+
+def test_local_mode_status_line_shows_the_aggregate_freeness() -> None:
+    status = ServiceStatus("svc", 2, (InstanceStatus("svc-0", "ready", "a:1", 20.0),
+                                      InstanceStatus("svc-1", "ready", "b:1", 40.0)), aggregate_freeness=27.4)
+    assert "freeness 0:20 1:40 (aggregate 27)" in status_line(status, in_flight=0)
 
 
 async def test_drain_then_undrain_through_the_api(admin: tuple[Harness, TestClient]) -> None:
@@ -46,6 +55,8 @@ async def test_drain_then_undrain_through_the_api(admin: tuple[Harness, TestClie
     assert response.status == 200 and (await response.json())["draining"] is True
     body = await (await client.get("/instances")).json()
     assert body["instances"][0]["draining"] is True and body["instances"][0]["freeness"] is None
+    assert body["last_decision"]["aggregate_freeness"] == pytest.approx(200 - 10)  # when decided
+    assert body["aggregate_freeness"] == pytest.approx(100)  # i1 alone
     assert (await client.post("/instances/i0/undrain")).status == 200
     assert h.llumlets["i0"].draining_calls == [True, False]
     missing = await client.post("/instances/zz/drain")
@@ -79,7 +90,7 @@ async def test_the_cli_prints_a_table_and_clear_errors(admin: tuple[Harness, Tes
     url = str(client.make_url("")).rstrip("/")
     assert await asyncio.to_thread(admin_cli.run, admin_args(url, "status")) == 0
     out = capsys.readouterr().out
-    assert "i0" in out and "90.0" in out and "2 ready / 2 desired" in out
+    assert "i0" in out and "90.0" in out and "2 ready / 2 desired, aggregate freeness 190.0" in out
     assert await asyncio.to_thread(admin_cli.run, admin_args(url, "drain", "nope")) == 1
     assert "nope" in capsys.readouterr().err
     code = await asyncio.to_thread(admin_cli.run, admin_args(url, "migrate", "--source", "i0",

@@ -54,6 +54,19 @@ async def test_more_replicas_start_instances_fewer_drain_the_freest_and_release_
     assert len(h.backend.started) == 3  # nothing restarted
 
 
+async def test_a_decision_records_the_aggregate_freeness_it_was_taken_at() -> None:
+    h = Harness(settings())
+    await h.bring_up()
+    h.load("i0", request("a", 30))
+    h.load("i1", request("b", 10))
+    h.loop.update_settings(settings(replicas=1))
+    await h.loop.reconcile()
+    decision = h.loop.status().last_decision
+    assert decision is not None and (decision.kind, decision.instance_id) == ("drain", "i1")
+    assert decision.aggregate_freeness == (2 * TOTAL_BLOCKS - 40) / 2  # both serving when decided
+    assert h.loop.status().aggregate_freeness == TOTAL_BLOCKS - 30  # i1 drains: counted no more
+
+
 async def test_a_failed_instance_is_stopped_and_replaced() -> None:
     h = Harness(settings())
     await h.bring_up()

@@ -67,6 +67,19 @@ def test_steady_service() -> None:
     assert {c["lastTransitionTime"] for c in status["conditions"]} == {"2027-01-15T08:00:00Z"}
 
 
+def test_the_last_decision_carries_the_aggregate_freeness_it_was_taken_at() -> None:
+    decision = ScalingDecision("drain", "aggregate freeness 70 without it > 60", NOW - 5, "b", 81.256)
+    service = ServiceStatus("llama", 2, (instance("a"), instance("b")), aggregate_freeness=80.0,
+                            last_decision=decision)
+    assert build(service)["lastScaling"] == {
+        "time": "2027-01-15T07:59:55Z",
+        "action": "drain",
+        "instance": "b",
+        "reason": "aggregate freeness 70 without it > 60",
+        "aggregateFreeness": 81.26,
+    }
+
+
 def test_scaling_up_with_a_failed_instance() -> None:
     service = ServiceStatus(
         "llama",
