@@ -424,7 +424,8 @@ class ServiceSettings:
         m = self.spec.migration
         return ["--high-priority-target-tokens", str(self.spec.priorities.target_load_tokens),
                 "--migration-select", m.select,
-                "--max-concurrent-migrations", str(m.max_concurrent_per_instance)]
+                "--max-concurrent-migrations", str(m.max_concurrent_per_instance),
+                "--migration-transport", m.transport]
 
     @property
     def autoscaling(self) -> AutoscalingConfig:

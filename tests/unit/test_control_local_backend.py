@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from control_fakes import settings
 
+from llumlet import cli as llumlet_cli
 from llumnix.control.local_backend import LocalProcessBackend, max_model_len, pair_config
+from llumnix.launch.pair import EnginePair
 from llumnix.service_spec import SpecError
 
 
@@ -20,11 +23,21 @@ def test_a_sim_service_runs_sim_engines_with_its_args(tmp_path: Path) -> None:
 
 def test_llumlets_get_the_specs_migration_and_priority_settings(tmp_path: Path) -> None:
     service = settings(engine={"runtime": "sim"}, priorities={"targetLoadTokens": 800},
-                       migration={"select": "longest", "maxConcurrentPerInstance": 2})
+                       migration={"select": "longest", "maxConcurrentPerInstance": 2, "transport": "tcp"})
     args = pair_config(service, "svc-0", tmp_path, None).llumlet_args
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags == {"--high-priority-target-tokens": "800", "--migration-select": "longest",
-                     "--max-concurrent-migrations": "2"}
+                     "--max-concurrent-migrations": "2", "--migration-transport": "tcp"}
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp", "nccl"])
+def test_the_llumlet_command_carries_the_migration_transport(tmp_path: Path, transport: str) -> None:
+    service = settings(engine={"runtime": "sim"}, migration={"transport": transport})
+    command = EnginePair(pair_config(service, "svc-0", tmp_path, None)).llumlet.config.command()
+    assert command[command.index("--migration-transport") + 1] == transport
+    parser = argparse.ArgumentParser()
+    llumlet_cli.add_arguments(parser)
+    assert parser.parse_args(command[3:]).migration_transport == transport  # the llumlet takes it
 
 
 def test_cpu_vllm_needs_a_model_and_a_block_size_multiple_of_32(tmp_path: Path) -> None:

@@ -90,6 +90,7 @@ def test_engine_pod_probes_drain_hook_and_grace() -> None:
     assert args[args.index("--engine-url") + 1] == "http://127.0.0.1:8000"
     assert args[args.index("--migration-select") + 1] == "last-come"
     assert args[args.index("--max-concurrent-migrations") + 1] == "1"
+    assert args[args.index("--migration-transport") + 1] == "auto"
     assert "--high-priority-target-tokens" in args
     # The connector's KV receiver listens on the pod IP (POD_IP is declared first, so it expands).
     assert engine["env"][0] == pod_ip
@@ -120,6 +121,13 @@ def test_sim_engine_pod_uses_the_project_image_and_no_gpu() -> None:
     llumlet_args = containers(pod)["llumlet"]["args"]
     # The sim engine binds the pod IP (its KV receiver must be reachable by peers); the llumlet follows.
     assert llumlet_args[llumlet_args.index("--engine-url") + 1] == "http://$(POD_IP):8000"
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sim"])
+def test_the_llumlet_sidecar_honours_the_migration_transport(runtime: str) -> None:
+    pod = engine_pod(settings(engine={"runtime": runtime}, migration={"transport": "nccl"}), CONFIG)
+    args = containers(pod)["llumlet"]["args"]
+    assert args[args.index("--migration-transport") + 1] == "nccl"
 
 
 def test_engine_pod_labels_name_and_template_hash() -> None:

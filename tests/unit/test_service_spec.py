@@ -38,6 +38,9 @@ def test_minimal_manifest_gets_every_default() -> None:
     assert settings.migration.freeness_threshold == 3.0
     assert settings.autoscaling.max_instances == 16
     assert settings.load_model.high_priority_target_tokens == 1600
+    assert settings.llumlet_args == ["--high-priority-target-tokens", "1600",
+                                     "--migration-select", "last-come", "--max-concurrent-migrations", "1",
+                                     "--migration-transport", "auto"]
 
 
 def test_given_values_are_kept() -> None:
@@ -53,6 +56,17 @@ def test_given_values_are_kept() -> None:
     assert settings.migration.select == "shortest"
     assert settings.spec.migration.enabled is True  # default kept beside the given field
     assert settings.autoscaling.scale_down_above == 50
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])
+def test_the_migration_transport_reaches_the_llumlet_flags(transport: str) -> None:
+    args = parse_service(manifest(migration={"transport": transport})).llumlet_args
+    assert args[args.index("--migration-transport") + 1] == transport
+
+
+def test_an_unknown_migration_transport_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"spec\.migration\.transport: 'rdma' is not one of"):
+        parse_service(manifest(migration={"transport": "rdma"}))
 
 
 def test_every_given_field_reaches_the_typed_spec() -> None:
