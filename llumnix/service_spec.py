@@ -136,7 +136,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "enum": ["last-come", "shortest", "longest"],
                     "default": "last-come",
                 },
-                "transport": {"type": "string", "enum": ["auto", "tcp", "nccl"], "default": "auto"},
+                "transport": {"type": "string", "enum": ["auto", "tcp", "nccl"], "default": "auto",
+                              "description": "KV channel a migration may use: auto takes the destination "
+                                             "engine's (TCP, or NCCL when both engines run it); tcp or "
+                                             "nccl refuse the other kind"},
                 "maxConcurrentPerInstance": _int(1, 1),
             }
         ),
