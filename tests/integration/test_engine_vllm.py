@@ -231,7 +231,9 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
                              on_stage=lambda header: header.final and finals.append(header.num_tokens))
     receiver.start()
     try:
-        body = {"model": "tiny", "prompt": prompt_of(15), "max_tokens": 40, "temperature": 0,
+        # Long enough that a client behind a loaded engine still registers the export while the request
+        # runs (40 tokens ended first under a CPU hog: "unknown request").
+        body = {"model": "tiny", "prompt": prompt_of(15), "max_tokens": 360, "temperature": 0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "kv_transfer_params": {"llumlet_id": "export-me"}}
         token_ids: list[int] = []
