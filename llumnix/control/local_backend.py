@@ -127,13 +127,13 @@ class LocalProcessBackend(InstanceBackend):
 
     @staticmethod
     def _check_alive(instance: _LocalInstance) -> None:
-        llumlet = instance.pair.llumlet.process
+        llumlet = instance.pair.llumlet
         if not instance.pair.engine_running:
             instance.phase = InstancePhase.FAILED
             instance.message = f"engine exited (code {instance.pair.engine.returncode})"
-        elif llumlet is None or llumlet.poll() is not None:
+        elif llumlet.pid is None or llumlet.returncode is not None:
             instance.phase = InstancePhase.FAILED
-            instance.message = f"llumlet exited (code {llumlet.returncode if llumlet else None})"
+            instance.message = f"llumlet exited (code {llumlet.returncode})"
 
     async def stop_instance(self, instance_id: str) -> None:
         instance = self._instances.get(instance_id)

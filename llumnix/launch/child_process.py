@@ -63,11 +63,6 @@ class ChildProcess:
         self._popen: subprocess.Popen[bytes] | None = None
 
     @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The spawned process (None before `spawn`)."""
-        return self._popen
-
-    @property
     def pid(self) -> int | None:
         return self._popen.pid if self._popen else None
 

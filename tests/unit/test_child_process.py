@@ -72,7 +72,7 @@ def is_gone(pid: int) -> bool:
 
 async def test_launch_returns_once_healthy_and_terminate_stops_it(make_child: ChildFactory):
     child = make_child()
-    assert child.pid is None and child.returncode is None and child.process is None
+    assert child.pid is None and child.returncode is None
     await child.launch(server_command(child), timeout_s=30)
     assert child.pid is not None and child.returncode is None
     assert os.getpgid(child.pid) == child.pid  # its own process group
