@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llumnix.openai_stream import EndpointKind
-
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-"""vLLM's default max_tokens for /v1/completions."""
+from llumnix.openai_stream import COMPLETION_DEFAULT_MAX_TOKENS, EndpointKind
 
 _NOT_SAMPLING = ("prompt", "messages", "stream", "stream_options", "echo", "suffix", "return_token_ids",
                  "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")

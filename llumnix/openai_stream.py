@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""vLLM's (and OpenAI's) default max_tokens for /v1/completions; chat defaults to the rest of the
+context."""
+
 
 class EndpointKind(str, enum.Enum):
     COMPLETION = "completion"

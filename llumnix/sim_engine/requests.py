@@ -8,12 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llumnix.openai_stream import EndpointKind, openai_error
+from llumnix.openai_stream import COMPLETION_DEFAULT_MAX_TOKENS, EndpointKind, openai_error
 from llumnix.sim_engine.tokens import VOCAB_SIZE, apply_chat_template, encode
 
 MAX_STOP_STRINGS = 4
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-"""vLLM's (and OpenAI's) default for /v1/completions; chat defaults to the rest of the context."""
 
 # Fields that change the response's shape or meaning and that the sim engine does not model: they
 # are refused rather than silently ignored (value -> whether the given value is the harmless default).
