@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from llumnix.engine.engine_channel import (
 )
 from llumnix.engine.handshake import incompatibilities, read_handshake
 from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
+from llumnix.launch.pair import free_port
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_LOADED,
     MIGRATION_EVENT_KIND_STAGE_SENT,
@@ -47,12 +47,6 @@ from llumnix.v1.kv_transfer_pb2 import (
     ExportStage,
     MigrationEvent,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Side:

@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
+from llumnix.launch.pair import free_port
 from llumnix.profile import DEFAULT_PROFILE, load_profile
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rss_mib(pid: int) -> float:
@@ -77,7 +71,7 @@ async def _stream(
 
 
 async def startup(engines: int) -> None:
-    ports = [_free_port() for _ in range(engines)]
+    ports = [free_port() for _ in range(engines)]
     started = time.monotonic()
     processes = [_launch(port) for port in ports]
     try:
@@ -104,7 +98,7 @@ async def startup(engines: int) -> None:
 
 async def streams(levels: list[int], prompt_tokens: int, max_tokens: int) -> None:
     profile = load_profile(DEFAULT_PROFILE)
-    port = _free_port()
+    port = free_port()
     process = _launch(
         port, "--num-blocks", "100000", "--max-num-seqs", str(max(levels)), "--max-model-len", "4096"
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest_asyncio
 
 from llumlet.engine_metrics import parse_engine_metrics
 from llumnix.engine.snapshots import SnapshotSubscriber
+from llumnix.launch.pair import free_port
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,17 +29,11 @@ VLLM_RESPONSES = json.loads((Path(__file__).parent / "vllm_0_32_responses.json")
 """Captured from `vllm serve` 0.32 (CPU) with a tiny model served as "tiny", --max-model-len 512."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class SimEngine:
     """One `python -m llumnix.sim_engine` process."""
 
     def __init__(self, work: Path, name: str, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.snapshot_addr = f"ipc://{work}/{name}.sock"
         self.log = work / f"{name}.log"
