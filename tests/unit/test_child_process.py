@@ -1,6 +1,7 @@
 """The generic child-process manager, with `python -c`-sized children: an HTTP server whose /health
 answers 200, optionally ignoring SIGTERM or forking a grandchild into its process group."""
 
+import asyncio
 import os
 import signal
 import sys
@@ -117,10 +118,11 @@ async def test_stop_reaches_a_grandchild_that_outlives_its_parent(make_child: Ch
     grandchild = int(pid_file.read_text())
     assert os.getpgid(grandchild) == child.pid
     assert await child.terminate() == -signal.SIGTERM  # the parent obeys; the grandchild ignores SIGTERM
-    deadline = time.monotonic() + 5
-    while not is_gone(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert is_gone(grandchild)
+    # SIGKILL is delivered at once, but a loaded machine may take a moment to reap the grandchild.
+    deadline = time.monotonic() + 30
+    while not is_gone(grandchild):
+        assert time.monotonic() < deadline, f"grandchild {grandchild} outlived its group's SIGKILL"
+        await asyncio.sleep(0.05)
 
 
 async def test_signal_goes_to_the_group_and_is_a_no_op_once_exited(make_child: ChildFactory):
