@@ -49,6 +49,12 @@ class RequestRecord:
     """Its stream can end with a move (gRPC callers follow `Moved`; the HTTP front cannot)."""
     resume: ResumePoint | None = None
     """Set once the request continues from a resume point rather than from `body`."""
+    prompt_estimate: int = field(init=False, repr=False)
+    """The client's prompt length as estimated at admission (every load report reads it until the
+    engine reports the exact length)."""
+
+    def __post_init__(self) -> None:
+        self.prompt_estimate = estimate_prompt_tokens(self.endpoint, self.body)
 
     @property
     def sampling_params(self) -> dict[str, Any]:
@@ -68,7 +74,7 @@ class RequestRecord:
         """Exact once the engine reported the prompt, an estimate before."""
         if self.prompt_token_ids:
             return len(self.prompt_token_ids)
-        return estimate_prompt_tokens(self.endpoint, self.body)
+        return self.prompt_estimate
 
     @property
     def engine_endpoint(self) -> EndpointKind:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llumnix.openai_request import check_generation_body, estimate_prompt_tokens, prompt_token_estimates
+from llumnix.openai_request import check_generation_body, prompt_token_estimates
 from llumnix.openai_stream import EndpointKind
 from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest
@@ -56,11 +56,12 @@ def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str
         if limits.max_tokens is not None and value > limits.max_tokens:
             raise RouterError(400, f"'{key}' is {value}; this service allows at most {limits.max_tokens}",
                               param=key)
-    longest_prompt = max(prompt_token_estimates(endpoint, body))
+    prompt_estimates = prompt_token_estimates(endpoint, body)
+    longest_prompt = max(prompt_estimates)
     if limits.max_prompt_tokens is not None and longest_prompt > limits.max_prompt_tokens:
         param = "messages" if endpoint is EndpointKind.CHAT else "prompt"
         raise RouterError(400, f"the prompt is about {longest_prompt} tokens; this service allows at most "
                           f"{limits.max_prompt_tokens}", param=param)
     return ClientRequest(request_id=f"router-{uuid.uuid4().hex}", endpoint=endpoint, body=body,
                          high_priority=high_priority,
-                         prompt_tokens_estimate=estimate_prompt_tokens(endpoint, body))
+                         prompt_tokens_estimate=sum(prompt_estimates))
