@@ -4,10 +4,11 @@ instance's live load from the engine's snapshots and serves the llumlet gRPC API
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import socket
 import sys
+
+import uvloop
 
 from llumlet.migration.settings import TRANSPORTS, MigrationSettings
 from llumlet.server import Llumlet, LlumletConfig
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         migration=migration,
     )
     try:
-        asyncio.run(Llumlet(config).serve_until_signal())
+        uvloop.run(Llumlet(config).serve_until_signal())
     except (OSError, ValueError) as exc:
         print(f"llumlet: {exc}", file=sys.stderr, flush=True)
         return 1

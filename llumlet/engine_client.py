@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from llumnix.openai_stream import EndpointKind, openai_error
 
 _KEEPALIVE_S = 2.0
 """Shorter than the engine's (uvicorn closes idle connections after 5 s): reusing a connection the
 server is closing resets the request."""
+_JSON = {"Content-Type": "application/json"}
 _READ_BUFFER_BYTES = 4 << 20
 """Stream lines can be long (the first chunk carries every prompt token id)."""
 
@@ -65,7 +67,8 @@ class EngineClient:
     async def open_stream(self, endpoint: EndpointKind, body: dict[str, Any]) -> aiohttp.ClientResponse:
         """Sends a streaming request; raises `EngineError` unless the engine accepted it."""
         try:
-            response = await self.session.post(self.base_url + endpoint.path, json=body)
+            response = await self.session.post(self.base_url + endpoint.path, data=orjson.dumps(body),
+                                               headers=_JSON)
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailableError(f"engine at {self.base_url} is unreachable: {exc}") from None
         if response.status != 200:
@@ -75,19 +78,23 @@ class EngineClient:
     @staticmethod
     async def iter_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         """The stream's JSON events until `[DONE]`; an `{"error": ...}` event raises `EngineError`."""
+        pending = b""
         try:
-            async for raw_line in response.content:
-                line = raw_line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    error = event["error"] if isinstance(event["error"], dict) else {}
-                    raise EngineError(int(error.get("code") or 500), event)
-                yield event
+            # Whatever arrived at once, split into lines here: one await per read, not per line.
+            async for data in response.content.iter_any():
+                *lines, pending = (pending + data).split(b"\n")
+                for raw_line in lines:
+                    line = raw_line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    event = orjson.loads(payload)
+                    if "error" in event:
+                        error = event["error"] if isinstance(event["error"], dict) else {}
+                        raise EngineError(int(error.get("code") or 500), event)
+                    yield event
         except (aiohttp.ClientError, OSError) as exc:
             raise EngineUnavailableError(
                 f"the engine dropped the response stream ({type(exc).__name__}); it may have died") from None

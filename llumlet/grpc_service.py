@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -10,12 +11,13 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import orjson
 
 from llumlet.admission import Admission, AdmissionError, StreamEvent
 from llumlet.health import HealthReporter, HealthStatus
 from llumlet.load_tracker import LoadTracker, load_key
 from llumlet.migration.destination import Destination
-from llumnix.openai_stream import openai_error
+from llumlet.serve_stream import ServeStream
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 from llumnix.wire import LoadSource, chunk_to_proto, endpoint_from_proto, report_to_proto, source_to_proto
@@ -90,44 +92,51 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.request_events(request)) as events:
+                async for event in events:
+                    for response in _responses(event):
+                        yield response
+        except AdmissionError as exc:
+            await context.abort(grpc_code_for(exc.status), json.dumps(exc.body))
+
+    async def Serve(self, request_iterator: AsyncIterator[pb.ServeCommand],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServeEvents]:
+        stream = ServeStream(self.request_events)
+        reader = asyncio.create_task(stream.read_commands(request_iterator), name="serve-commands")
+        try:
+            async for batch in stream.batches():
+                yield batch
+        finally:
+            reader.cancel()
+            await stream.close()
+
+    async def request_events(self, request: pb.GenerateRequest) -> AsyncIterator[StreamEvent]:
+        """A request's events, from admission (or from its first token here after it migrated in);
+        raises `AdmissionError` when it is refused or fails."""
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                json.dumps(openai_error(400, "request_id is required")))
+            raise AdmissionError.of(400, "request_id is required")
         if request.attach:
-            async for response in self._attach(request.request_id, context):
-                yield response
+            stream = self.destination.attach(request.request_id)
+            if stream is None:
+                raise AdmissionError.of(404, f"no migrated request {request.request_id!r} waits here",
+                                        "NotFoundError")
+            try:
+                async for event in stream.events():
+                    yield event
+            finally:
+                self.destination.detach(stream)
             return
         try:
             endpoint = endpoint_from_proto(request.endpoint)
-            body = json.loads(request.body_json)
+            body = orjson.loads(request.body_json)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, json.dumps(openai_error(400, str(exc))))
+            raise AdmissionError.of(400, str(exc)) from None
         events = self.admission.generate(endpoint, body, request.request_id,
                                          request.priority == pb.PRIORITY_HIGH, migratable=True)
-        try:
+        async with contextlib.aclosing(events):
             async for event in events:
-                for response in _responses(event):
-                    yield response
-        except AdmissionError as exc:
-            await context.abort(grpc_code_for(exc.status), json.dumps(exc.body))
-        finally:
-            await events.aclose()
-
-    async def _attach(self, request_id: str, context: grpc.aio.ServicerContext
-                      ) -> AsyncIterator[pb.GenerateResponse]:
-        """The output of a request that migrated in, from its first token here."""
-        stream = self.destination.attach(request_id)
-        if stream is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, json.dumps(openai_error(
-                404, f"no migrated request {request_id!r} waits here", "NotFoundError")))
-        try:
-            async for event in stream.events():
-                for response in _responses(event):
-                    yield response
-        except AdmissionError as exc:
-            await context.abort(grpc_code_for(exc.status), json.dumps(exc.body))
-        finally:
-            self.destination.detach(stream)
+                yield event
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=self.admission.abort(request.request_id))

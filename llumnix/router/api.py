@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest, Generation, GenerationLimits
 from llumnix.router.instances import InstanceSet
 from llumnix.router.metrics import RouterMetrics
-from llumnix.router.stream_format import StreamFormat
+from llumnix.router.stream_format import StreamFormat, sse_event
 
 logger = logging.getLogger("llumnix.router.api")
 
@@ -42,10 +41,6 @@ def error_response(error: OpenAIRequestError) -> web.Response:
     if isinstance(error, RouterError) and error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     return web.json_response(error.body, status=error.status, headers=headers)
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class RouterApi:
@@ -117,10 +112,10 @@ class RouterApi:
 
     async def _respond(self, request: web.Request, client_request: ClientRequest, generation: Generation
                        ) -> tuple[web.StreamResponse, int]:
-        chunks = generation.chunks()
+        batches = generation.batches()
         try:
             try:
-                first = await anext(chunks)
+                first = await anext(batches)
             except StopAsyncIteration:
                 error = RouterError(502, "the instance ended the response without output")
                 return error_response(error), error.status
@@ -130,23 +125,26 @@ class RouterApi:
             response_id = ("chatcmpl-" if client_request.endpoint is EndpointKind.CHAT else "cmpl-") \
                 + client_request.request_id.removeprefix("router-")
             if body.get("stream"):
-                return await self._stream(request, client_request, generation, first, chunks, response_id)
+                return await self._stream(request, client_request, generation, first, batches, response_id)
             assembler = ResponseAssembler(client_request.endpoint, response_id,
                                           bool(body.get("return_token_ids")))
             try:
-                assembler.add(first)
-                async for chunk in chunks:
+                for chunk in first:
                     assembler.add(chunk)
+                async for batch in batches:
+                    for chunk in batch:
+                        assembler.add(chunk)
             except RouterError as exc:
                 return error_response(exc), exc.status
             assembler.usage = generation.final_usage()
             assembler.model = generation.model or assembler.model
             return web.json_response(assembler.response()), 200
         finally:
-            await chunks.aclose()
+            await batches.aclose()
 
     async def _stream(self, request: web.Request, client_request: ClientRequest, generation: Generation,
-                      first: GenerationChunk, chunks: AsyncIterator[GenerationChunk], response_id: str
+                      first: list[GenerationChunk], batches: AsyncIterator[list[GenerationChunk]],
+                      response_id: str
                       ) -> tuple[web.StreamResponse, int]:
         body = client_request.body
         fmt = StreamFormat(client_request.endpoint, response_id, int(time.time()),
@@ -156,17 +154,18 @@ class RouterApi:
         await response.prepare(request)
         status = 200
         try:
-            await response.write(_sse(fmt.chunk(first, generation.model)))
+            # One write per batch: a batch is what arrived together from the instance.
+            await response.write(fmt.events(first, generation.model))
             try:
-                async for chunk in chunks:
-                    await response.write(_sse(fmt.chunk(chunk, generation.model)))
+                async for batch in batches:
+                    await response.write(fmt.events(batch, generation.model))
             except RouterError as exc:
                 # After the first byte a failure travels as an error event, as vLLM sends it.
                 status = exc.status
-                await response.write(_sse(exc.body))
+                await response.write(sse_event(exc.body))
             else:
                 if (body.get("stream_options") or {}).get("include_usage"):
-                    await response.write(_sse(fmt.usage(generation.final_usage(), generation.model)))
+                    await response.write(sse_event(fmt.usage(generation.final_usage(), generation.model)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:

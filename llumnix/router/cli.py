@@ -8,10 +8,11 @@ llumlets by their live load, follows migrations and resumes requests whose insta
 from __future__ import annotations
 
 import argparse
-import asyncio
 import socket
 from pathlib import Path
 from typing import TypeVar
+
+import uvloop
 
 from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"llumnix router: {exc}")
         return 2
     try:
-        asyncio.run(Router(config, source).serve_until_signal())
+        uvloop.run(Router(config, source).serve_until_signal())
     except OSError as exc:
         print(f"llumnix router: {exc}")
         return 1

@@ -5,22 +5,22 @@
 - After the first token: if the instance fails, the request resumes on another instance by token
   replay (`replay.py`).
 - On `Moved` (the request migrated live) the router attaches to the destination's stream
-  (`Generate(attach=true)`), which continues from the first token produced there; only if attaching
-  fails (NOT_FOUND, UNAVAILABLE) does it fall back to token replay.
+  (`GenerateRequest(attach=true)` on its `Serve` stream), which continues from the first token
+  produced there; only if attaching fails (not found, destination gone) does it fall back to token
+  replay.
 - Splicing: replayed chunks lose what the client already has (prompt token ids, the chat role), and
   usage is recomputed at the end, so the client sees one response and each token once.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
+import orjson
 
 from llumnix.load import RequestLoad
 from llumnix.openai_replay import NotReplayable, remaining_max_tokens, replay_body
@@ -29,16 +29,16 @@ from llumnix.router.dispatcher import DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.router.serve_session import InstanceStreamDown
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.wire import chunk_from_proto, endpoint_to_proto
 
 logger = logging.getLogger("llumnix.router.generation")
 
-RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
-"""Failures of the instance (refused while draining or with its engine down, connection lost, server
-stopped) rather than of the request: try elsewhere."""
-ATTACH_FAILED_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE})
-"""Attaching to a migrated request failed (it is not there, or the destination is gone): replay it."""
+INSTANCE_FAILURE_STATUSES = frozenset({502, 503, 504})
+"""Failures of the instance (refused while draining or with its engine down) rather than of the
+request: try elsewhere. A broken stream (llumlet gone, connection lost) is one too; so is a failed
+attach (404: the migrated request is not there), which continues by replay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +94,9 @@ class Generation:
             return self.usage
         return Usage(len(self.out.prompt_token_ids), self.out.tokens)
 
-    async def chunks(self) -> AsyncIterator[GenerationChunk]:
-        """The spliced output; raises RouterError when the request cannot be completed."""
+    async def batches(self) -> AsyncIterator[list[GenerationChunk]]:
+        """The spliced output, in the batches it arrived in (never empty); raises RouterError when the
+        request cannot be completed."""
         endpoint, body = self.request.endpoint, self.request.body
         target: Instance | None = None
         attach_id: str | None = None  # after a move: the next call attaches at the destination
@@ -110,33 +111,43 @@ class Generation:
                 instance, target = target, None
                 instance.reserve(load)
             self.instance_id = instance.instance_id
-            moved: pb.Moved | None = None
-            failure: str | None = None
             if attach_id is not None:
-                call = instance.stub.Generate(pb.GenerateRequest(request_id=attach_id, attach=True))
+                stream = instance.serve.start(pb.GenerateRequest(request_id=attach_id, attach=True))
             else:
-                call = instance.stub.Generate(pb.GenerateRequest(
-                    request_id=sub_id, endpoint=endpoint_to_proto(endpoint), body_json=json.dumps(body),
+                stream = instance.serve.start(pb.GenerateRequest(
+                    request_id=sub_id, endpoint=endpoint_to_proto(endpoint),
+                    body_json=orjson.dumps(body).decode(),
                     priority=pb.PRIORITY_HIGH if self.request.high_priority else pb.PRIORITY_NORMAL))
+            attaching, attach_id = attach_id is not None, None
+            ending: pb.ServeEvent | None = None
+            failure: str | None = None
             try:
-                async for message in call:
-                    if message.HasField("moved"):
-                        moved = message.moved
-                        break
-                    chunk = self._splice(chunk_from_proto(message.chunk))
-                    if chunk is not None:
-                        yield chunk
-            except grpc.aio.AioRpcError as exc:
-                attaching = attach_id is not None and exc.code() in ATTACH_FAILED_CODES
-                if exc.code() not in RESUMABLE_CODES and not attaching:
-                    raise RouterError.from_grpc(exc) from None
-                if exc.code() in RESUMABLE_CODES:
-                    instance.mark_unavailable()
-                failure = f"{exc.code().name}: {exc.details()}"
+                while ending is None:
+                    batch = []
+                    for event in await stream.next_events():
+                        if not event.HasField("chunk"):
+                            ending = event
+                            break
+                        chunk = self._splice(chunk_from_proto(event.chunk))
+                        if chunk is not None:
+                            batch.append(chunk)
+                    if batch:
+                        yield batch
+            except InstanceStreamDown as exc:
+                instance.mark_unavailable()
+                failure = str(exc)
             finally:
-                call.cancel()
+                stream.close()
                 instance.release(sub_id)
-            attach_id = None
+            if ending is not None and ending.HasField("failure"):
+                error = RouterError.from_failure(ending.failure.status, ending.failure.body_json)
+                instance_failed = error.status in INSTANCE_FAILURE_STATUSES
+                if not instance_failed and not (attaching and error.status == 404):
+                    raise error
+                if instance_failed:
+                    instance.mark_unavailable()
+                failure = f"{error.status}: {error}"
+            moved = ending.moved if ending is not None and ending.HasField("moved") else None
             if moved is not None:
                 self.metrics.moves.inc()
                 logger.info("following a migrated request", extra={
@@ -210,10 +221,13 @@ class Generation:
         if chunk.finish_reason is not None:
             out.finished.add(chunk.index)
             out.generated.setdefault(chunk.index, [])
-        spliced = replace(chunk, prompt_token_ids=prompt_ids, role=role, usage=None,
-                          model=self.model or chunk.model)
-        if not (spliced.token_ids or spliced.text or spliced.finish_reason or spliced.role
-                or spliced.extra_delta or spliced.prompt_token_ids or spliced.logprobs is not None):
+        # The chunk was decoded for this request alone: adjust it in place.
+        chunk.prompt_token_ids = prompt_ids
+        chunk.role = role
+        chunk.usage = None
+        chunk.model = self.model or chunk.model
+        if not (chunk.token_ids or chunk.text or chunk.finish_reason or chunk.role
+                or chunk.extra_delta or chunk.prompt_token_ids or chunk.logprobs is not None):
             return None
         out.chunks_sent += 1
-        return spliced
+        return chunk

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import InstanceLoad, RequestLoad, with_pending, without_requests
 from llumnix.router.instance_source import InstanceSource
+from llumnix.router.serve_session import ServeSession
 from llumnix.wire import LoadReport
 
 logger = logging.getLogger("llumnix.router.instances")
@@ -30,6 +31,8 @@ class Instance(LlumletConnection):
 
     def __init__(self, address: str, on_change: Callable[[], None]) -> None:
         super().__init__(address, on_change)
+        self.serve = ServeSession(self.stub)
+        """The data path: every request the router runs here travels on this one stream."""
         self.pending: dict[str, RequestLoad] = {}
         """Dispatched here and not yet listed in the instance's load."""
         self.in_flight: set[str] = set()

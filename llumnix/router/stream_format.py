@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
 
 
@@ -45,7 +47,15 @@ class StreamFormat:
         payload["choices"] = [choice]
         return payload
 
+    def events(self, chunks: list[GenerationChunk], model: str) -> bytes:
+        """The chunks as server-sent events, ready for one write."""
+        return b"".join(sse_event(self.chunk(chunk, model)) for chunk in chunks)
+
     def usage(self, usage: Usage, model: str) -> dict[str, Any]:
         return {**self._base(model), "choices": [],
                 "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                           "total_tokens": usage.total_tokens}}
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"

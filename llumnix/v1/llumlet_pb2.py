@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llumnix/v1/llumlet.proto\x12\nllumnix.v1\"\x9f\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x15\n\rhigh_priority\x18\x05 \x01(\x08\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\x12\x11\n\tmigrating\x18\x07 \x01(\x08\"\xb1\x03\n\x0cInstanceLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12(\n\x07running\x18\x05 \x03(\x0b\x32\x17.llumnix.v1.RequestLoad\x12(\n\x07waiting\x18\x06 \x03(\x0b\x32\x17.llumnix.v1.RequestLoad\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x15\n\rmigrating_out\x18\t \x01(\r\x12\x14\n\x0cmigrating_in\x18\n \x01(\r\x12\x17\n\x0freserved_blocks\x18\x0b \x01(\r\x12\x11\n\ttimestamp\x18\x0c \x01(\x01\x12\x10\n\x08\x66reeness\x18\r \x01(\x01\x12\x15\n\rvirtual_usage\x18\x0e \x01(\x01\x12\x16\n\x0esnapshot_age_s\x18\x0f \x01(\x01\x12&\n\x06source\x18\x10 \x01(\x0e\x32\x16.llumnix.v1.LoadSource\x12\x10\n\x08sequence\x18\x11 \x01(\x04\"D\n\x10WatchLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\x12\x17\n\x0fmax_interval_ms\x18\x02 \x01(\r\"\x10\n\x0eGetLoadRequest\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x08\x65ndpoint\x18\x02 \x01(\x0e\x32\x14.llumnix.v1.Endpoint\x12\x11\n\tbody_json\x18\x03 \x01(\t\x12&\n\x08priority\x18\x04 \x01(\x0e\x32\x14.llumnix.v1.Priority\x12\x0e\n\x06\x61ttach\x18\x05 \x01(\x08\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xfa\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x10stop_reason_json\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.llumnix.v1.Usage\x12\x0c\n\x04role\x18\t \x01(\t\x12\x15\n\rlogprobs_json\x18\n \x01(\t\x12\x18\n\x10\x65xtra_delta_json\x18\x0b \x01(\t\"W\n\x05Moved\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0cmigration_id\x18\x04 \x01(\t\"k\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.llumnix.v1.GenerateChunkH\x00\x12\"\n\x05moved\x18\x02 \x01(\x0b\x32\x11.llumnix.v1.MovedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"&\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\":\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\"\xe2\x01\n\x0eHealthResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.llumnix.v1.HealthStatus\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65ngine_healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12+\n\x0bload_source\x18\x05 \x01(\x0e\x32\x16.llumnix.v1.LoadSource\x12\x16\n\x0esnapshot_age_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0f\n\x07message\x18\x08 \x01(\t*f\n\nLoadSource\x12\x1b\n\x17LOAD_SOURCE_UNSPECIFIED\x10\x00\x12\x19\n\x15LOAD_SOURCE_CONNECTOR\x10\x01\x12 \n\x1cLOAD_SOURCE_METRICS_FALLBACK\x10\x02*P\n\x08\x45ndpoint\x12\x18\n\x14\x45NDPOINT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NDPOINT_COMPLETION\x10\x01\x12\x11\n\rENDPOINT_CHAT\x10\x02*2\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01*\x83\x01\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15HEALTH_STATUS_SERVING\x10\x01\x12\x1a\n\x16HEALTH_STATUS_DEGRADED\x10\x02\x12\x1d\n\x19HEALTH_STATUS_NOT_SERVING\x10\x03\x32\xa9\x03\n\x07Llumlet\x12\x45\n\tWatchLoad\x12\x1c.llumnix.v1.WatchLoadRequest\x1a\x18.llumnix.v1.InstanceLoad0\x01\x12?\n\x07GetLoad\x12\x1a.llumnix.v1.GetLoadRequest\x1a\x18.llumnix.v1.InstanceLoad\x12G\n\x08Generate\x12\x1b.llumnix.v1.GenerateRequest\x1a\x1c.llumnix.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.llumnix.v1.AbortRequest\x1a\x19.llumnix.v1.AbortResponse\x12N\n\x0bSetDraining\x12\x1e.llumnix.v1.SetDrainingRequest\x1a\x1f.llumnix.v1.SetDrainingResponse\x12?\n\x06Health\x12\x19.llumnix.v1.HealthRequest\x1a\x1a.llumnix.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llumnix/v1/llumlet.proto\x12\nllumnix.v1\"\x9f\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x15\n\rhigh_priority\x18\x05 \x01(\x08\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\x12\x11\n\tmigrating\x18\x07 \x01(\x08\"\xb1\x03\n\x0cInstanceLoad\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12(\n\x07running\x18\x05 \x03(\x0b\x32\x17.llumnix.v1.RequestLoad\x12(\n\x07waiting\x18\x06 \x03(\x0b\x32\x17.llumnix.v1.RequestLoad\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\x12\x15\n\rmigrating_out\x18\t \x01(\r\x12\x14\n\x0cmigrating_in\x18\n \x01(\r\x12\x17\n\x0freserved_blocks\x18\x0b \x01(\r\x12\x11\n\ttimestamp\x18\x0c \x01(\x01\x12\x10\n\x08\x66reeness\x18\r \x01(\x01\x12\x15\n\rvirtual_usage\x18\x0e \x01(\x01\x12\x16\n\x0esnapshot_age_s\x18\x0f \x01(\x01\x12&\n\x06source\x18\x10 \x01(\x0e\x32\x16.llumnix.v1.LoadSource\x12\x10\n\x08sequence\x18\x11 \x01(\x04\"D\n\x10WatchLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\x12\x17\n\x0fmax_interval_ms\x18\x02 \x01(\r\"\x10\n\x0eGetLoadRequest\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x08\x65ndpoint\x18\x02 \x01(\x0e\x32\x14.llumnix.v1.Endpoint\x12\x11\n\tbody_json\x18\x03 \x01(\t\x12&\n\x08priority\x18\x04 \x01(\x0e\x32\x14.llumnix.v1.Priority\x12\x0e\n\x06\x61ttach\x18\x05 \x01(\x08\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xfa\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x18\n\x10stop_reason_json\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.llumnix.v1.Usage\x12\x0c\n\x04role\x18\t \x01(\t\x12\x15\n\rlogprobs_json\x18\n \x01(\t\x12\x18\n\x10\x65xtra_delta_json\x18\x0b \x01(\t\"W\n\x05Moved\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0cmigration_id\x18\x04 \x01(\t\"k\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.llumnix.v1.GenerateChunkH\x00\x12\"\n\x05moved\x18\x02 \x01(\x0b\x32\x11.llumnix.v1.MovedH\x00\x42\x07\n\x05\x65vent\"u\n\x0cServeCommand\x12/\n\x08generate\x18\x01 \x01(\x0b\x32\x1b.llumnix.v1.GenerateRequestH\x00\x12)\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x18.llumnix.v1.AbortRequestH\x00\x42\t\n\x07\x63ommand\"3\n\x0eRequestFailure\x12\x0e\n\x06status\x18\x01 \x01(\r\x12\x11\n\tbody_json\x18\x02 \x01(\t\"\xbc\x01\n\nServeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.llumnix.v1.GenerateChunkH\x00\x12\"\n\x05moved\x18\x03 \x01(\x0b\x32\x11.llumnix.v1.MovedH\x00\x12-\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x1a.llumnix.v1.RequestFailureH\x00\x12\x12\n\x08\x66inished\x18\x05 \x01(\x08H\x00\x42\x07\n\x05\x65vent\"5\n\x0bServeEvents\x12&\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x16.llumnix.v1.ServeEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"&\n\x12SetDrainingRequest\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\":\n\x13SetDrainingResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r\"\x0f\n\rHealthRequest\"\xe2\x01\n\x0eHealthResponse\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.llumnix.v1.HealthStatus\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65ngine_healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12+\n\x0bload_source\x18\x05 \x01(\x0e\x32\x16.llumnix.v1.LoadSource\x12\x16\n\x0esnapshot_age_s\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\x12\x0f\n\x07message\x18\x08 \x01(\t*f\n\nLoadSource\x12\x1b\n\x17LOAD_SOURCE_UNSPECIFIED\x10\x00\x12\x19\n\x15LOAD_SOURCE_CONNECTOR\x10\x01\x12 \n\x1cLOAD_SOURCE_METRICS_FALLBACK\x10\x02*P\n\x08\x45ndpoint\x12\x18\n\x14\x45NDPOINT_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NDPOINT_COMPLETION\x10\x01\x12\x11\n\rENDPOINT_CHAT\x10\x02*2\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01*\x83\x01\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15HEALTH_STATUS_SERVING\x10\x01\x12\x1a\n\x16HEALTH_STATUS_DEGRADED\x10\x02\x12\x1d\n\x19HEALTH_STATUS_NOT_SERVING\x10\x03\x32\xe9\x03\n\x07Llumlet\x12\x45\n\tWatchLoad\x12\x1c.llumnix.v1.WatchLoadRequest\x1a\x18.llumnix.v1.InstanceLoad0\x01\x12?\n\x07GetLoad\x12\x1a.llumnix.v1.GetLoadRequest\x1a\x18.llumnix.v1.InstanceLoad\x12G\n\x08Generate\x12\x1b.llumnix.v1.GenerateRequest\x1a\x1c.llumnix.v1.GenerateResponse0\x01\x12>\n\x05Serve\x12\x18.llumnix.v1.ServeCommand\x1a\x17.llumnix.v1.ServeEvents(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.llumnix.v1.AbortRequest\x1a\x19.llumnix.v1.AbortResponse\x12N\n\x0bSetDraining\x12\x1e.llumnix.v1.SetDrainingRequest\x1a\x1f.llumnix.v1.SetDrainingResponse\x12?\n\x06Health\x12\x19.llumnix.v1.HealthRequest\x1a\x1a.llumnix.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llumnix.v1.llumlet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOADSOURCE']._serialized_start=1829
-  _globals['_LOADSOURCE']._serialized_end=1931
-  _globals['_ENDPOINT']._serialized_start=1933
-  _globals['_ENDPOINT']._serialized_end=2013
-  _globals['_PRIORITY']._serialized_start=2015
-  _globals['_PRIORITY']._serialized_end=2065
-  _globals['_HEALTHSTATUS']._serialized_start=2068
-  _globals['_HEALTHSTATUS']._serialized_end=2199
+  _globals['_LOADSOURCE']._serialized_start=2247
+  _globals['_LOADSOURCE']._serialized_end=2349
+  _globals['_ENDPOINT']._serialized_start=2351
+  _globals['_ENDPOINT']._serialized_end=2431
+  _globals['_PRIORITY']._serialized_start=2433
+  _globals['_PRIORITY']._serialized_end=2483
+  _globals['_HEALTHSTATUS']._serialized_start=2486
+  _globals['_HEALTHSTATUS']._serialized_end=2617
   _globals['_REQUESTLOAD']._serialized_start=41
   _globals['_REQUESTLOAD']._serialized_end=200
   _globals['_INSTANCELOAD']._serialized_start=203
@@ -57,18 +57,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MOVED']._serialized_end=1302
   _globals['_GENERATERESPONSE']._serialized_start=1304
   _globals['_GENERATERESPONSE']._serialized_end=1411
-  _globals['_ABORTREQUEST']._serialized_start=1413
-  _globals['_ABORTREQUEST']._serialized_end=1447
-  _globals['_ABORTRESPONSE']._serialized_start=1449
-  _globals['_ABORTRESPONSE']._serialized_end=1481
-  _globals['_SETDRAININGREQUEST']._serialized_start=1483
-  _globals['_SETDRAININGREQUEST']._serialized_end=1521
-  _globals['_SETDRAININGRESPONSE']._serialized_start=1523
-  _globals['_SETDRAININGRESPONSE']._serialized_end=1581
-  _globals['_HEALTHREQUEST']._serialized_start=1583
-  _globals['_HEALTHREQUEST']._serialized_end=1598
-  _globals['_HEALTHRESPONSE']._serialized_start=1601
-  _globals['_HEALTHRESPONSE']._serialized_end=1827
-  _globals['_LLUMLET']._serialized_start=2202
-  _globals['_LLUMLET']._serialized_end=2627
+  _globals['_SERVECOMMAND']._serialized_start=1413
+  _globals['_SERVECOMMAND']._serialized_end=1530
+  _globals['_REQUESTFAILURE']._serialized_start=1532
+  _globals['_REQUESTFAILURE']._serialized_end=1583
+  _globals['_SERVEEVENT']._serialized_start=1586
+  _globals['_SERVEEVENT']._serialized_end=1774
+  _globals['_SERVEEVENTS']._serialized_start=1776
+  _globals['_SERVEEVENTS']._serialized_end=1829
+  _globals['_ABORTREQUEST']._serialized_start=1831
+  _globals['_ABORTREQUEST']._serialized_end=1865
+  _globals['_ABORTRESPONSE']._serialized_start=1867
+  _globals['_ABORTRESPONSE']._serialized_end=1899
+  _globals['_SETDRAININGREQUEST']._serialized_start=1901
+  _globals['_SETDRAININGREQUEST']._serialized_end=1939
+  _globals['_SETDRAININGRESPONSE']._serialized_start=1941
+  _globals['_SETDRAININGRESPONSE']._serialized_end=1999
+  _globals['_HEALTHREQUEST']._serialized_start=2001
+  _globals['_HEALTHREQUEST']._serialized_end=2016
+  _globals['_HEALTHRESPONSE']._serialized_start=2019
+  _globals['_HEALTHRESPONSE']._serialized_end=2245
+  _globals['_LLUMLET']._serialized_start=2620
+  _globals['_LLUMLET']._serialized_end=3109
 # @@protoc_insertion_point(module_scope)

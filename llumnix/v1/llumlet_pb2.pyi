@@ -181,6 +181,42 @@ class GenerateResponse(_message.Message):
     moved: Moved
     def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., moved: _Optional[_Union[Moved, _Mapping]] = ...) -> None: ...
 
+class ServeCommand(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    abort: AbortRequest
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class RequestFailure(_message.Message):
+    __slots__ = ("status", "body_json")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    status: int
+    body_json: str
+    def __init__(self, status: _Optional[int] = ..., body_json: _Optional[str] = ...) -> None: ...
+
+class ServeEvent(_message.Message):
+    __slots__ = ("request_id", "chunk", "moved", "failure", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: GenerateChunk
+    moved: Moved
+    failure: RequestFailure
+    finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., moved: _Optional[_Union[Moved, _Mapping]] = ..., failure: _Optional[_Union[RequestFailure, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class ServeEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[ServeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[ServeEvent, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

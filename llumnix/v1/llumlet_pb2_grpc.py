@@ -49,6 +49,11 @@ class LlumletStub:
                 request_serializer=llumnix_dot_v1_dot_llumlet__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=llumnix_dot_v1_dot_llumlet__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.stream_stream(
+                '/llumnix.v1.Llumlet/Serve',
+                request_serializer=llumnix_dot_v1_dot_llumlet__pb2.ServeCommand.SerializeToString,
+                response_deserializer=llumnix_dot_v1_dot_llumlet__pb2.ServeEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/llumnix.v1.Llumlet/Abort',
                 request_serializer=llumnix_dot_v1_dot_llumlet__pb2.AbortRequest.SerializeToString,
@@ -83,6 +88,13 @@ class LlumletServicer:
         """
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
 
+    async def Serve(self, request_iterator, context):
+        """The router's data path: many requests over one stream. The caller sends commands; the llumlet
+        answers with batches of events, so a step's tokens for every request cross in one message rather
+        than one message per token per request. Ending the stream aborts every request started on it.
+        """
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
+
     async def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, 'Method not implemented!')
@@ -112,6 +124,11 @@ def add_LlumletServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=llumnix_dot_v1_dot_llumlet__pb2.GenerateRequest.FromString,
                     response_serializer=llumnix_dot_v1_dot_llumlet__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Serve': grpc.stream_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=llumnix_dot_v1_dot_llumlet__pb2.ServeCommand.FromString,
+                    response_serializer=llumnix_dot_v1_dot_llumlet__pb2.ServeEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -210,6 +227,33 @@ class Llumlet:
             '/llumnix.v1.Llumlet/Generate',
             llumnix_dot_v1_dot_llumlet__pb2.GenerateRequest.SerializeToString,
             llumnix_dot_v1_dot_llumlet__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/llumnix.v1.Llumlet/Serve',
+            llumnix_dot_v1_dot_llumlet__pb2.ServeCommand.SerializeToString,
+            llumnix_dot_v1_dot_llumlet__pb2.ServeEvents.FromString,
             options,
             channel_credentials,
             insecure,

