@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -186,7 +187,8 @@ class RouterApi:
         return web.json_response({"status": status, "instances_ready": ready,
                                   "instances_connected": connected, "instances": total,
                                   "queue_length": len(self.queue),
-                                  "in_flight": self.in_flight}, status=200 if status == "ok" else 503)
+                                  "in_flight": self.in_flight, "pid": os.getpid()},
+                                 status=200 if status == "ok" else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         connected, total = self.instances.counts()

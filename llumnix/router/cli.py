@@ -8,7 +8,11 @@ llumlets by their live load, follows migrations and resumes requests whose insta
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import shutil
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,6 +21,7 @@ import uvloop
 from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
 from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, POLICY_NAMES
+from llumnix.router import workers
 from llumnix.router.api import ApiSettings
 from llumnix.router.api_keys import API_KEYS_ENV, load_api_keys
 from llumnix.router.client_request import PrioritySettings, RequestLimits
@@ -79,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-file", type=Path,
                         help=f"file of accepted API keys, one per line (also ${API_KEYS_ENV}, "
                         "comma-separated); none: no authentication")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="router processes sharing the port, each dispatching from the load streams "
+                        "plus its own in-flight requests; more than one helps only with cores to spare "
+                        "(default: %(default)s)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, how long in-flight requests may run on (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -135,14 +144,35 @@ def build_source(args: argparse.Namespace) -> InstanceSource:
 def run(args: argparse.Namespace) -> int:
     configure_json_logging(f"router-{socket.gethostname()}", args.log_level)
     try:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
         config = build_config(args)
         source = build_source(args)
     except (ValueError, SpecError) as exc:
         print(f"llumnix router: {exc}")
         return 2
     try:
+        if args.workers > 1:
+            return _run_workers(args, config)
         uvloop.run(Router(config, source).serve_until_signal())
     except OSError as exc:
         print(f"llumnix router: {exc}")
         return 1
     return 0
+
+
+def _run_workers(args: argparse.Namespace, config: RouterConfig) -> int:
+    shared_metrics = workers.metrics_dir()
+    reserved = workers.reserve_port(config.host, config.port)
+    try:
+        return workers.supervise(args.workers, reserved.getsockname()[1], functools.partial(_worker, args))
+    finally:
+        reserved.close()
+        shutil.rmtree(shared_metrics, ignore_errors=True)
+
+
+def _worker(args: argparse.Namespace, port: int) -> None:
+    """One worker process (spawned): the router, on the supervisor's port."""
+    configure_json_logging(f"router-{socket.gethostname()}-{os.getpid()}", args.log_level)
+    config = replace(build_config(args), port=port, reuse_port=True)
+    uvloop.run(Router(config, build_source(args)).serve_until_signal())

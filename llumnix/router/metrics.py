@@ -1,8 +1,15 @@
-"""The router's Prometheus metrics (one registry per router, so several can live in one process)."""
+"""The router's Prometheus metrics (one registry per router, so several can live in one process).
+
+Router workers (`llumnix.router.workers`) share their metrics through prometheus_client's
+multiprocess mode: counters and histograms are summed over the workers, the queue and in-flight
+gauges too, and the instance counts are the largest any worker sees."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -25,8 +32,10 @@ class RouterMetrics:
                                 "instance that finished them ('none': never dispatched)",
                                 ["status", "instance"], registry=r)
         self.queue_length = Gauge("llumnix_router_queue_length",
-                                  "Requests held by the router while every instance is busy", registry=r)
-        self.in_flight = Gauge("llumnix_router_in_flight_requests", "Requests being served", registry=r)
+                                  "Requests held by the router while every instance is busy", registry=r,
+                                  multiprocess_mode="livesum")
+        self.in_flight = Gauge("llumnix_router_in_flight_requests", "Requests being served", registry=r,
+                               multiprocess_mode="livesum")
         self.dispatch_seconds = Histogram("llumnix_router_dispatch_decision_seconds",
                                           "Time to choose an instance (loads + policy)",
                                           buckets=_DECISION_BUCKETS, registry=r)
@@ -37,7 +46,11 @@ class RouterMetrics:
         self.moves = Counter("llumnix_router_moves_followed", "Migrated requests whose stream the router "
                              "continued from the new instance", registry=r)
         self.instances = Gauge("llumnix_router_instances", "Instances by load stream state", ["state"],
-                               registry=r)
+                               registry=r, multiprocess_mode="max")
 
     def exposition(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            shared = CollectorRegistry()
+            MultiProcessCollector(shared)
+            return generate_latest(shared)
         return generate_latest(self.registry)

@@ -37,6 +37,8 @@ class RouterConfig:
     queue_timeout_s: float = 60.0
     api_keys: tuple[bytes, ...] = ()
     shutdown_grace_s: float = 30.0
+    reuse_port: bool = False
+    """Share the port with other router processes (SO_REUSEPORT; see `llumnix.router.workers`)."""
 
 
 class Router:
@@ -68,7 +70,8 @@ class Router:
         self._runner = web.AppRunner(self.api.app(), access_log=None, handler_cancellation=True,
                                      shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=2048)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=2048,
+                           reuse_port=self.config.reuse_port or None)
         try:
             await site.start()
         except OSError as exc:
