@@ -2,8 +2,16 @@
 
 Pairing runs every migration interval over all snapshots: sources are instances whose freeness is
 below the threshold (draining instances have -inf freeness, instances that preempted are overloaded
-whatever their freeness), most loaded first; destinations are the freest instances at or above the
-threshold. The source's llumlet then picks the request with `select_request`.
+whatever their freeness), most loaded first; destinations are the freest instances whose freeness is
+at or above the destination floor. The source's llumlet then picks the request with
+`select_request`, and the destination takes it only if it `admits` it: with the request added, the
+destination's freeness must still be at or above the floor.
+
+Why a floor above the source threshold: a migration moves memory, it creates none. When it spends a
+destination's last headroom, the next burst of arrivals queues there instead of on the source (the
+cluster, kept free of preemptions, has no slack left), and the destination becomes a source itself a
+few dozen decode steps later. A destination must stay free after the move, by the autoscaler's
+measure of a short instance (docs/simulator.md, "The migration rule").
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ SELECT_POLICIES = ("last-come", "shortest", "longest")
 @dataclass(frozen=True, slots=True)
 class MigrationConfig:
     freeness_threshold: float = 3.0
-    """Sources are below it; destinations at or above it (blocks per batched request)."""
+    """Sources are below it (blocks per batched request)."""
+    destination_freeness: float = 10.0
+    """A destination's freeness with the migrated request added must stay at or above it (the
+    autoscaler's scale-up bound: below it an instance's capacity is short)."""
     select: str = "last-come"
     max_concurrent_per_instance: int = 1
     """Migrations an instance takes part in at once (in and out together)."""
@@ -29,6 +40,8 @@ class MigrationConfig:
             raise ValueError(f"unknown request selection {self.select!r}; choose one of {SELECT_POLICIES}")
         if self.max_concurrent_per_instance < 1:
             raise ValueError("max_concurrent_per_instance must be >= 1")
+        if self.destination_freeness < self.freeness_threshold:
+            raise ValueError("destination_freeness must be >= freeness_threshold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +85,7 @@ def pair_migrations(
         if is_source(load, config, model):
             if migratable(load):
                 sources.append((f, load.instance_id))
-        elif not load.draining and f >= config.freeness_threshold:
+        elif not load.draining and f >= config.destination_freeness:
             destinations.append((f, load.instance_id))
     sources.sort()
     destinations.sort(key=lambda fd: (-fd[0], fd[1]))
@@ -113,10 +126,10 @@ def admits(
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
 ) -> bool:
     """Whether the destination should take `request`: it `fits`, and the destination's freeness with
-    the request added stays at or above the threshold.
+    the request added stays at or above `destination_freeness`.
 
     Pairing judges a destination before the request is known; without this check a large request
-    can fill the destination past the threshold, block the destination's own head-of-line request
+    can fill the destination, block its own head-of-line request and the arrivals dispatched to it,
     and turn it into a source (the Llumnix artifact's pairing checks the load after migration too).
     """
     if not fits(request, destination):
@@ -126,4 +139,4 @@ def admits(
         free_blocks=destination.free_blocks - request.blocks,
         running=(*destination.running, replace(request, migrating=False)),
     )
-    return freeness(after, model) >= config.freeness_threshold
+    return freeness(after, model) >= config.destination_freeness

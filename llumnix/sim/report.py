@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ POLICY_STYLES = {
     "llumnix": {"color": "tab:red", "marker": "o"},
     "llumnix-base": {"color": "tab:purple", "marker": "s"},
     "infaas++": {"color": "tab:blue", "marker": "^"},
+    "llumnix-nomig": {"color": "tab:orange", "marker": "v"},
     "round-robin": {"color": "tab:gray", "marker": "x"},
     "least-requests": {"color": "tab:green", "marker": "d"},
 }
@@ -60,6 +62,33 @@ def line_grid(
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    _save_png(fig, path)
+
+
+def ratio_heat_map(
+    path: Path,
+    panels: Sequence[tuple[str, Sequence[Sequence[float]]]],
+    row_labels: Sequence[str],
+    column_labels: Sequence[str],
+    span: float = 4.0,
+) -> None:
+    """One heat map per (title, ratios[row][column]), on a log colour scale from 1/span to span
+    (blue below 1, red above), each cell labelled with its ratio."""
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(0.6 * len(column_labels) * len(panels) + 2.5, 0.32 * len(row_labels) + 1.8),
+        squeeze=False,
+    )
+    limit = math.log(span)
+    for ax, (title, ratios) in zip(axes.flat, panels, strict=True):
+        logs = [[math.log(max(min(r, span), 1 / span)) for r in row] for row in ratios]
+        ax.imshow(logs, cmap="coolwarm", vmin=-limit, vmax=limit, aspect="auto")
+        for i, row in enumerate(ratios):
+            for j, ratio in enumerate(row):
+                ax.text(j, i, f"{ratio:.2g}", ha="center", va="center", fontsize=6)
+        ax.set_title(title, fontsize=7)
+        ax.set_xticks(range(len(column_labels)), column_labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(row_labels)), row_labels if ax is axes.flat[0] else [], fontsize=7)
+    fig.tight_layout()
     _save_png(fig, path)
 
 

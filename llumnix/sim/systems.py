@@ -27,6 +27,9 @@ SYSTEMS: dict[str, SystemSpec] = {
     "llumnix": SystemSpec("llumnix", "llumnix", migration=True, priorities=True),
     "llumnix-base": SystemSpec("llumnix-base", "llumnix", migration=True, priorities=False),
     "infaas++": SystemSpec("infaas++", "infaas++", migration=False, priorities=False),
+    # Ablations: each of Llumnix's two mechanisms without the other.
+    "llumnix-nomig": SystemSpec("llumnix-nomig", "llumnix", migration=False, priorities=True),
+    "infaas++-mig": SystemSpec("infaas++-mig", "infaas++", migration=True, priorities=False),
     "round-robin": SystemSpec("round-robin", "round-robin", migration=False, priorities=False),
     "least-requests": SystemSpec("least-requests", "least-requests", migration=False, priorities=False),
 }

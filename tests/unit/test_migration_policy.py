@@ -123,7 +123,7 @@ def test_config_validation() -> None:
 def test_admits_judges_the_destination_with_the_request_added() -> None:
     # Destination: 40 of 100 blocks used by two requests, a 10-block (160-token) head of line.
     dst = inst("d", free=60, running=[r("d1", blocks=20), r("d2", blocks=20)], waiting=[r("dw", tokens=160)])
-    config = MigrationConfig(freeness_threshold=3)
+    config = MigrationConfig(freeness_threshold=3, destination_freeness=3)
     # Before: (100 - 40 - 10) / 3 = 16.7. With a 30-block request: (100 - 70 - 10) / 4 = 5 >= 3.
     assert admits(r("m", tokens=480, blocks=30), dst, config)
     # With a 40-block request: (100 - 80 - 10) / 4 = 2.5 < 3, although 60 free blocks >= 41 fit it.
@@ -133,3 +133,27 @@ def test_admits_judges_the_destination_with_the_request_added() -> None:
     # The migrating flag of the moving request does not matter; draining never admits.
     assert admits(r("m", tokens=480, blocks=30, migrating=True), dst, config)
     assert not admits(r("m", blocks=2), inst("d", free=100, draining=True), config)
+
+
+def test_a_destination_must_stay_at_the_floor_with_the_request_added() -> None:
+    # Two 20-block requests on 100 blocks: F = 60 / 2 = 30 before any move.
+    dst = inst("d", free=60, running=[r("d1", blocks=20), r("d2", blocks=20)])
+    # A 20-block request leaves (100 - 60) / 3 = 13.3 >= 10: taken.
+    assert admits(r("m", tokens=320, blocks=20), dst)
+    # A 30-block one leaves (100 - 70) / 3 = 10: still at the floor.
+    assert admits(r("m", tokens=480, blocks=30), dst)
+    # A 31-block one leaves 29 / 3 = 9.7 < 10 although it fits (and 9.7 is above the source threshold 3):
+    # the move would spend the room the destination's next arrivals need.
+    assert fits(r("m", tokens=496, blocks=31), dst)
+    assert not admits(r("m", tokens=496, blocks=31), dst)
+
+
+def test_destinations_below_the_floor_are_not_paired() -> None:
+    src = loaded("src", 1)
+    assert pair_migrations([src, loaded("mid", 9)]) == []  # 9 >= threshold 3 but < floor 10
+    assert pair_migrations([src, loaded("mid", 9), loaded("free", 10)]) == [MigrationPair("src", "free")]
+    assert pair_migrations([src, loaded("mid", 9)], MigrationConfig(destination_freeness=3)) == [
+        MigrationPair("src", "mid")
+    ]
+    with pytest.raises(ValueError):
+        MigrationConfig(freeness_threshold=5, destination_freeness=4)
