@@ -19,7 +19,7 @@ import pytest
 
 from llumnix.launch.pair import EnginePair, free_port
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = pytest.mark.timeout(180)
 
 MODEL = "sim"
 REQUESTS = 24
@@ -46,6 +46,7 @@ def requests_total(exposition: str) -> float:
                            re.MULTILINE))
 
 
+@pytest.mark.asyncio(loop_scope="module")
 async def test_two_workers_share_the_port_and_their_metrics(
         sim_pairs: Callable[..., Awaitable[list[EnginePair]]], tmp_path: Path) -> None:
     pairs = await sim_pairs(2, "workers", engine_args=("--time-scale", "20"))
