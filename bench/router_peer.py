@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from llumnix.launch.pair import EnginePair, PairConfig, free_port
 from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
@@ -123,7 +124,8 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
     services: list[Service] = []
     paths = [ServedPath("engine", pair.engine_url)]
     try:
-        peer = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        peer = (shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+                or shutil.which("vllm-router"))
         if peer and not args.no_peer:
             port = free_port()
             service = Service("vllm-router", [peer, "--host", "127.0.0.1", "--port", str(port),
@@ -139,8 +141,7 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
         router = Service("llumnix router", [
             sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
             "--port", str(port), "--instances", pair.grpc_address, "--queue-size", "4096",
-            "--log-level", "warning",
-            *(["--workers", str(args.router_workers)] if args.router_workers != 1 else [])], work / "router.log")
+            "--log-level", "warning", "--workers", str(args.router_workers)], work / "router.log")
         services.append(router)
         await router.wait_ready(f"http://127.0.0.1:{port}", "/health")
         paths.append(ServedPath("llumnix router", f"http://127.0.0.1:{port}"))
@@ -152,14 +153,28 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
     return pair, services, paths
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children (router workers), user + system."""
+    total = 0.0
+    process = psutil.Process(pid)
+    for each in (process, *process.children(recursive=True)):
+        try:
+            times = each.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def print_table(rows: list[dict[str, object]]) -> None:
     print(f"\n{'path':<16} {'conc':>5} {'tok/s':>9} {'ratio':>6} {'TTFT p50':>9} {'x':>5} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'ITL p99':>8} {'x':>5} {'failed':>6}")
+          f"{'TPOT p50':>9} {'ITL p99':>8} {'x':>5} {'failed':>6}  CPU us per output token")
     for row in rows:
+        cpu = " ".join(f"{name}={us:.0f}" for name, us in row["cpu_us_per_token"].items())  # type: ignore[attr-defined]
         print(f"{row['path']:<16} {row['concurrency']:>5} {row['output_throughput']:>9.0f} "
               f"{row['throughput_ratio']:>6.2f} {row['median_ttft_ms']:>7.1f}ms {row['ttft_ratio']:>5.2f} "
               f"{row['p99_ttft_ms']:>7.1f}ms {row['median_tpot_ms']:>7.2f}ms {row['p99_itl_ms']:>6.1f}ms "
-              f"{row['itl_ratio']:>5.2f} {row['failed']:>6}", flush=True)
+              f"{row['itl_ratio']:>5.2f} {row['failed']:>6}  {cpu}", flush=True)
 
 
 def plot(rows: list[dict[str, object]], out: Path, title: str) -> None:
@@ -191,6 +206,8 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
     model_dir = ensure_tiny_model(REPO / ".cache" / "models", TinyModelRecipe())
     pair, services, paths = await start_paths(args, work, model_dir if args.engine == "vllm" else None)
     rows: list[dict[str, object]] = []
+    pids = {"engine": pair.engine.pid, "llumlet": pair.llumlet.pid,
+            **{service.name: service.process.pid for service in services}}
     try:
         for c_index, concurrency in enumerate(args.concurrency):
             results: dict[str, dict[str, float]] = {}
@@ -198,8 +215,14 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
                 shift = (c_index + repeat) % len(paths)
                 for path in paths[shift:] + paths[:shift]:
                     tag = f"{path.name.replace(' ', '-')}-c{concurrency}-r{repeat}"
+                    before = {name: cpu_seconds(pid) for name, pid in pids.items() if pid is not None}
                     result = await asyncio.to_thread(run_client, path.url, model_dir, concurrency, args,
                                                      work, tag)
+                    tokens = result["completed"] * args.output_len
+                    # Where the CPU went: on 2 cores, every process's share is taken from the others.
+                    result["cpu_us_per_token"] = {  # type: ignore[assignment]
+                        name: (cpu_seconds(pids[name]) - start) / tokens * 1e6
+                        for name, start in before.items()}
                     print(f"  c={concurrency:<4} {path.name:<16} {result['output_throughput']:8.0f} tok/s  "
                           f"TTFT p50 {result['median_ttft_ms']:7.1f} ms", flush=True)
                     best = results.get(path.name)
@@ -221,7 +244,8 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                         help="the engine behind every path (default: %(default)s)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[4, 32, 128],
@@ -233,7 +257,8 @@ def main() -> None:
                         help="sim engine speed-up over the default profile (default: %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--router-workers", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per path and concurrency; the best is kept")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per path and concurrency; the best is kept")
     parser.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG here")

@@ -14,6 +14,7 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from serve_adapter import serve_from_generate
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.server import Router
@@ -338,6 +339,11 @@ class LostMoveLlumlet(llumlet_pb2_grpc.LlumletServicer):
         if first:
             yield pb.GenerateResponse(moved=pb.Moved(instance_id="b", address=self.destination,
                                                      request_id="not-there", migration_id="lost"))
+
+    async def Serve(self, request_iterator: AsyncIterator[pb.ServeCommand],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServeEvents]:
+        async for events in serve_from_generate(request_iterator, lambda r: self.Generate(r, context)):
+            yield events
 
 
 async def test_router_falls_back_to_token_replay_when_attaching_fails(cluster: Cluster,

@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 import pytest_asyncio
+from serve_adapter import serve_from_generate
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
@@ -131,23 +132,23 @@ class MovingLlumlet(llumlet_pb2_grpc.LlumletServicer):
                                   source=pb.LOAD_SOURCE_CONNECTOR)
             await asyncio.sleep(0.2)
 
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(self.destination) as channel:
+            call = llumlet_pb2_grpc.LlumletStub(channel).Generate(request)
+            sent = 0
+            async for message in call:
+                yield message
+                sent += len(message.chunk.token_ids)
+                if sent >= self.tokens_before_move:
+                    call.cancel()
+                    break
+        yield pb.GenerateResponse(moved=pb.Moved(instance_id="destination", address=self.destination))
+
     async def Serve(self, request_iterator: AsyncIterator[pb.ServeCommand],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ServeEvents]:
-        async for command in request_iterator:  # one request at a time is enough here
-            if not command.HasField("generate"):
-                continue
-            request_id = command.generate.request_id
-            async with grpc.aio.insecure_channel(self.destination) as channel:
-                call = llumlet_pb2_grpc.LlumletStub(channel).Generate(command.generate)
-                sent = 0
-                async for message in call:
-                    yield pb.ServeEvents(events=[pb.ServeEvent(request_id=request_id, chunk=message.chunk)])
-                    sent += len(message.chunk.token_ids)
-                    if sent >= self.tokens_before_move:
-                        call.cancel()
-                        break
-            yield pb.ServeEvents(events=[pb.ServeEvent(request_id=request_id, moved=pb.Moved(
-                instance_id="destination", address=self.destination))])
+        async for events in serve_from_generate(request_iterator, lambda r: self.Generate(r, context)):
+            yield events
 
 
 async def test_a_moved_request_continues_from_its_destination(instances: list[EnginePair],
