@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 DEFAULT_HIGH_PRIORITY_TARGET_TOKENS = 1600
 """Load (tokens) an instance holding high-priority requests is kept near (paper §6.4)."""
@@ -60,6 +60,16 @@ class InstanceLoad:
     reserved_blocks: int = 0
     """Blocks reserved for migrations coming in (counted as used)."""
     timestamp: float = 0.0
+    queued_blocks: int = field(init=False, repr=False, compare=False)
+    """Blocks every queued request needs before it can be scheduled (`queued_demand`)."""
+    has_high_priority: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Once per snapshot: dispatch reads these for every instance it scores, on every request.
+        queued = sum(blocks_for_tokens(r.total_tokens, self.block_size) for r in self.waiting)
+        object.__setattr__(self, "queued_blocks", queued)
+        high = any(r.high_priority for r in self.running) or any(r.high_priority for r in self.waiting)
+        object.__setattr__(self, "has_high_priority", high)
 
     @property
     def num_requests(self) -> int:
@@ -68,10 +78,6 @@ class InstanceLoad:
     @property
     def used_blocks(self) -> int:
         return self.total_blocks - self.free_blocks
-
-    @property
-    def has_high_priority(self) -> bool:
-        return any(r.high_priority for r in self.running) or any(r.high_priority for r in self.waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +95,7 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
 
 def queued_demand(load: InstanceLoad) -> int:
     """Blocks every queued request needs before it can be scheduled."""
-    return sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in load.waiting)
+    return load.queued_blocks
 
 
 def head_of_line_demand(load: InstanceLoad) -> int:
@@ -149,16 +155,31 @@ def dispatch_freeness(
     An over-subscribed instance reports its deficit in blocks, not divided by the batch: dividing a
     negative headroom by a larger batch would make the more crowded instance look less overloaded,
     so in a burst requests would pile onto the instances with the longest queues.
+
+    A request never makes an instance look freer than one without tokens does (the dispatch picker
+    relies on it to skip instances that cannot win).
     """
     if load.draining:
         return -math.inf
-    queued = list(load.waiting) if request is None else [*load.waiting, request]
-    demand = sum(blocks_for_tokens(r.total_tokens, load.block_size) for r in queued)
+    demand = load.queued_blocks
+    batch = load.num_requests
+    if request is not None:
+        demand += blocks_for_tokens(request.total_tokens, load.block_size)
+        batch += 1
     headroom = high_priority_headroom(load, config, request)
     room = load.total_blocks - (load.used_blocks + load.reserved_blocks + demand + headroom)
     if room < 0:
         return float(room)
-    return room / max(1, len(load.running) + len(queued))
+    return room / max(1, batch)
+
+
+def dispatch_peers(load: InstanceLoad) -> tuple[int, bool, int, int]:
+    """What `dispatch_freeness` depends on besides the room an instance has left. Loads with the same
+    peers get, for every request, dispatch freeness in the order of their freeness for a request
+    without tokens, and at least as far apart (the room a request takes is the same for all of them;
+    freeness falls no slower as the room shrinks). The dispatch picker relies on it to skip the
+    peers of an instance that outranks them."""
+    return (load.num_requests, load.has_high_priority, load.total_blocks, load.block_size)
 
 
 def memory_load(load: InstanceLoad) -> float:

@@ -1,17 +1,25 @@
 """Dispatch policies: choose the instance for a new request.
 
-A small framework in the style of llm-d's scheduler: each policy is a pure `score(load) -> float`
-(higher is better) plus an optional filter, and one picker that takes the best score with a random
-tie-break among the top k. Round-robin is the one stateful policy (a cursor).
+A small framework in the style of llm-d's scheduler: each policy is a pure
+`score(load, request) -> float` (higher is better) plus an optional filter, and one picker that takes
+the best score with a random tie-break among the top k. Round-robin is the one stateful policy (a
+cursor).
+
+The picker works on a `Ranking` that is kept one load at a time. The router keeps one over all of its
+instances and decides on every request; a choice scores only the instances that can win, taken in
+the order of a request-independent upper bound of their score. `choose` over a list of loads (the
+simulator) builds one per call, so both make the same choices.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 from llumnix.load import (
@@ -20,6 +28,7 @@ from llumnix.load import (
     LoadModelConfig,
     RequestLoad,
     dispatch_freeness,
+    dispatch_peers,
     memory_load,
 )
 
@@ -27,6 +36,9 @@ POLICY_NAMES = ("llumnix", "infaas++", "round-robin", "least-requests")
 
 DEFAULT_BUSY_FREENESS = 0.0
 """Below this freeness an instance is busy: a new request would wait in its queue."""
+
+NO_TOKENS = RequestLoad("", 0)
+"""The smallest request: it needs no blocks, only a batch slot."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,25 +48,64 @@ class DispatchDecision:
     """Every candidate was busy: the request will queue (the router may hold it instead)."""
 
 
-class DispatchPolicy(ABC):
-    """Choose an instance for a request. Draining instances are never chosen; None means there
+def _any_instance(_instance_id: str) -> bool:
+    return True
+
+
+class Ranking(ABC):
+    """The instances a policy chooses among. Draining instances are never chosen; None means there
     is no instance to choose."""
+
+    @abstractmethod
+    def update(self, load: InstanceLoad) -> None:
+        """Add the instance of `load` or replace its previous load."""
+
+    @abstractmethod
+    def discard(self, instance_id: str) -> None: ...
+
+    @abstractmethod
+    def choose(
+        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
+    ) -> DispatchDecision | None:
+        """`eligible` passes over instances the caller cannot send to (the router's unreachable ones);
+        it is asked only about instances that could be chosen."""
+
+
+class DispatchPolicy(ABC):
+    """Choose an instance for a request."""
 
     name: str = ""
 
     @abstractmethod
+    def ranking(self) -> Ranking:
+        """An empty ranking that chooses by this policy (and shares its state: cursor, random
+        generator)."""
+
     def choose(
         self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
-    ) -> DispatchDecision | None: ...
+    ) -> DispatchDecision | None:
+        """One choice among `loads` (over a ranking built for it)."""
+        ranking = self.ranking()
+        for load in loads:
+            ranking.update(load)
+        return ranking.choose(request)
 
 
 class ScoringPolicy(DispatchPolicy):
-    """Highest score wins; ties (and the top k when k > 1) are broken at random."""
+    """Highest score wins; ties (and the top k when k > 1) are broken at random.
+
+    `bound(load)` is the highest score any request can get on that instance; None when the score
+    does not depend on the request. Loads with equal `peers(load)` score, for every request, in the
+    order of their bounds and at least as far apart (equal bounds, equal scores); None: when the
+    score does not depend on the request all loads are peers, otherwise none. `is_busy` is a
+    threshold: every busy score is below every free one."""
 
     def __init__(
         self,
         name: str,
         score: Callable[[InstanceLoad, RequestLoad | None], float],
+        bound: Callable[[InstanceLoad], float] | None = None,
+        peers: Callable[[InstanceLoad], Hashable] | None = None,
         is_busy: Callable[[float], bool] = lambda _score: False,
         top_k: int = 1,
         rng: random.Random | None = None,
@@ -63,24 +114,192 @@ class ScoringPolicy(DispatchPolicy):
             raise ValueError("top_k must be >= 1")
         self.name = name
         self.score = score
+        self.bound = bound
+        if peers is None:
+            peers = (lambda _load: None) if bound is None else (lambda load: load.instance_id)
+        self.peers = peers
         self.is_busy = is_busy
         self.top_k = top_k
         self.rng = rng or random.Random(0)
 
+    def ranking(self) -> Ranking:
+        return _ScoreRanking(self)
+
+
+class _Peers:
+    """Instances that are peers, in order of their bound (highest first), then of their id."""
+
+    __slots__ = ("ids", "keys", "serial")
+
+    def __init__(self, serial: int) -> None:
+        self.serial = serial
+        """Orders peers whose best bounds are equal (their keys need not be comparable)."""
+        self.keys: list[float] = []
+        """The negated bounds, ascending."""
+        self.ids: list[str] = []
+
+    def _at(self, key: float, instance_id: str) -> int:
+        low = bisect.bisect_left(self.keys, key)
+        return bisect.bisect_left(self.ids, instance_id, low, bisect.bisect_right(self.keys, key, low))
+
+    def add(self, key: float, instance_id: str) -> None:
+        at = self._at(key, instance_id)
+        self.keys.insert(at, key)
+        self.ids.insert(at, instance_id)
+
+    def remove(self, key: float, instance_id: str) -> None:
+        at = self._at(key, instance_id)
+        del self.keys[at]
+        del self.ids[at]
+
+
+class _ScoreRanking(Ranking):
+    """Instances grouped by their peers; the groups in order of their best bound."""
+
+    def __init__(self, policy: ScoringPolicy) -> None:
+        self._policy = policy
+        self._loads: dict[str, tuple[float, Hashable, InstanceLoad]] = {}
+        """Instance id -> (negated bound, peers, load)."""
+        self._peers: dict[Hashable, _Peers] = {}
+        self._heads: list[tuple[float, int, Hashable]] = []
+        """(negated best bound, serial, peers) of every group, ascending."""
+        self._serials = itertools.count()
+
+    def update(self, load: InstanceLoad) -> None:
+        if load.draining:
+            self.discard(load.instance_id)
+            return
+        policy = self._policy
+        key = -(policy.score(load, None) if policy.bound is None else policy.bound(load))
+        peers = policy.peers(load)
+        previous = self._loads.get(load.instance_id)
+        self._loads[load.instance_id] = (key, peers, load)
+        if previous is not None:
+            if previous[0] == key and previous[1] == peers:
+                return
+            self._leave(previous[0], previous[1], load.instance_id)
+        group = self._peers.get(peers)
+        if group is None:
+            group = self._peers[peers] = _Peers(next(self._serials))
+            group.add(key, load.instance_id)
+            bisect.insort(self._heads, (key, group.serial, peers))
+            return
+        head = group.keys[0]
+        group.add(key, load.instance_id)
+        if group.keys[0] != head:
+            self._move_head(head, group, peers)
+
+    def discard(self, instance_id: str) -> None:
+        previous = self._loads.pop(instance_id, None)
+        if previous is not None:
+            self._leave(previous[0], previous[1], instance_id)
+
+    def _leave(self, key: float, peers: Hashable, instance_id: str) -> None:
+        group = self._peers[peers]
+        head = group.keys[0]
+        group.remove(key, instance_id)
+        if not group.ids:
+            del self._peers[peers]
+            del self._heads[bisect.bisect_left(self._heads, (head, group.serial))]
+        elif group.keys[0] != head:
+            self._move_head(head, group, peers)
+
+    def _move_head(self, head: float, group: _Peers, peers: Hashable) -> None:
+        del self._heads[bisect.bisect_left(self._heads, (head, group.serial))]
+        bisect.insort(self._heads, (group.keys[0], group.serial, peers))
+
     def choose(
-        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
     ) -> DispatchDecision | None:
-        scored = [(self.score(load, request), load.instance_id) for load in loads if not load.draining]
+        top = self._top(request)
+        if top is None:
+            return None
+        ids, all_busy = top
+        rng = self._policy.rng
+        if self._policy.top_k == 1:
+            chosen = rng.choice(ids)
+            if eligible(chosen):
+                return DispatchDecision(chosen, all_busy)
+        elif all(map(eligible, ids)):
+            return DispatchDecision(rng.choice(ids), all_busy)
+        # The choice fell on (could fall on) an instance the caller cannot send to: choose again
+        # among the eligible instances only. The draw stays uniform among the eligible best.
+        top = self._top(request, {iid for iid in self._loads if not eligible(iid)})
+        if top is None:
+            return None
+        ids, all_busy = top
+        return DispatchDecision(rng.choice(ids), all_busy)
+
+    def _top(self, request: RequestLoad | None, passed_over: Collection[str] = ()
+             ) -> tuple[list[str], bool] | None:
+        """The ids the choice is drawn from, sorted, and whether they are all busy; None without
+        instances.
+
+        Scores the instances of each group in bound order, one score per bound, the groups in order
+        of their best bound. It stops at a bound below the k best scores and not tied with the best
+        (no instance from there on can be chosen), and within a group also at a bound further below
+        its k-th scored instance than the tie tolerance (peers score no higher than their bounds
+        say)."""
+        policy = self._policy
+        k = policy.top_k
+        exact = policy.bound is None
+        # Without a request the bound does not hold (the smallest request still takes a batch slot).
+        prune = exact or request is not None
+        top_bound = -self._heads[0][0] if self._heads else 0.0
+        scored: list[tuple[float, list[str]]] = []  # (score, the sorted ids that have it)
+        best = -math.inf
+        k_best: list[float] = []  # the k best scores so far, a min-heap
+
+        def out_of_reach(bound: float) -> bool:
+            return prune and len(k_best) == k and bound < k_best[0] and not _same(bound, best)
+
+        def below_peers(bound: float, kth_bound: float | None) -> bool:
+            # The tie tolerance is at most 1e-9 of the larger score, or 1e-9.
+            return prune and kth_bound is not None and \
+                kth_bound - bound > 2e-9 * max(1.0, abs(best), abs(top_bound))
+
+        for head, _, peers in self._heads:
+            if out_of_reach(-head):
+                break
+            group = self._peers[peers]
+            keys = group.keys
+            scored_here = 0
+            kth_bound = None  # the bound of the group's k-th scored instance
+            at = 0
+            while at < len(keys):
+                bound = -keys[at]
+                if at and (out_of_reach(bound) or below_peers(bound, kth_bound)):
+                    break
+                end = bisect.bisect_right(keys, keys[at], at)
+                ids = group.ids[at:end]
+                at = end
+                if passed_over:
+                    ids = [iid for iid in ids if iid not in passed_over]
+                    if not ids:
+                        continue
+                score = bound if exact else policy.score(self._loads[ids[0]][2], request)
+                scored.append((score, ids))
+                best = max(best, score)
+                for _ in range(min(len(ids), k)):
+                    if len(k_best) < k:
+                        heapq.heappush(k_best, score)
+                    elif score > k_best[0]:
+                        heapq.heapreplace(k_best, score)
+                scored_here += len(ids)
+                if scored_here >= k and kth_bound is None:
+                    kth_bound = bound
         if not scored:
             return None
-        free = [item for item in scored if not self.is_busy(item[0])]
+        free = [item for item in scored if not policy.is_busy(item[0])]
         candidates = free or scored
-        # Linear in the instances: the router decides over every instance on every request.
         best = max(score for score, _ in candidates)
-        top = [iid for score, iid in candidates if _same(score, best)]
-        if len(top) < self.top_k:
-            top = [iid for _, iid in heapq.nlargest(self.top_k, candidates)]
-        return DispatchDecision(self.rng.choice(sorted(top)), all_busy=not free)
+        tied = [ids for score, ids in candidates if _same(score, best)]
+        top = tied[0] if len(tied) == 1 else sorted(itertools.chain.from_iterable(tied))
+        if len(top) < k:
+            # Within one score the larger ids come first; no more than k of a score can be chosen.
+            largest = heapq.nlargest(k, ((score, iid) for score, ids in candidates for iid in ids[-k:]))
+            top = sorted(iid for _, iid in largest)
+        return top, not free
 
 
 class RoundRobinPolicy(DispatchPolicy):
@@ -89,17 +308,46 @@ class RoundRobinPolicy(DispatchPolicy):
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._last: str | None = None
+        self.last: str | None = None
+        """The instance chosen last; every ranking of this policy continues after it."""
+
+    def ranking(self) -> Ranking:
+        return _IdRanking(self)
+
+
+class _IdRanking(Ranking):
+    """Instance ids in order; the policy's cursor moves through them."""
+
+    def __init__(self, policy: RoundRobinPolicy) -> None:
+        self._policy = policy
+        self._ids: list[str] = []
+        """Sorted."""
+
+    def update(self, load: InstanceLoad) -> None:
+        if load.draining:
+            self.discard(load.instance_id)
+            return
+        at = bisect.bisect_left(self._ids, load.instance_id)
+        if at == len(self._ids) or self._ids[at] != load.instance_id:
+            self._ids.insert(at, load.instance_id)
+
+    def discard(self, instance_id: str) -> None:
+        at = bisect.bisect_left(self._ids, instance_id)
+        if at < len(self._ids) and self._ids[at] == instance_id:
+            del self._ids[at]
 
     def choose(
-        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
     ) -> DispatchDecision | None:
-        ids = sorted(load.instance_id for load in loads if not load.draining)
-        if not ids:
-            return None
-        nxt = next((iid for iid in ids if self._last is None or iid > self._last), ids[0])
-        self._last = nxt
-        return DispatchDecision(nxt)
+        ids = self._ids
+        last = self._policy.last
+        start = 0 if last is None else bisect.bisect_right(ids, last)
+        for at in range(start, start + len(ids)):
+            instance_id = ids[at % len(ids)]
+            if eligible(instance_id):
+                self._policy.last = instance_id
+                return DispatchDecision(instance_id)
+        return None
 
 
 def _same(a: float, b: float) -> bool:
@@ -119,6 +367,8 @@ def make_dispatch_policy(
         return ScoringPolicy(
             "llumnix",
             score=lambda load, request: dispatch_freeness(load, request, load_model),
+            bound=lambda load: dispatch_freeness(load, NO_TOKENS, load_model),
+            peers=dispatch_peers,
             is_busy=lambda score: score < busy_freeness,
             top_k=top_k,
             rng=rng,
