@@ -18,37 +18,62 @@ from llumnix.router.metrics import RouterMetrics
 
 
 class Dispatcher:
+    """Chooses over the policy's ranking of the instances. Every change of an instance's effective
+    load updates the ranking as it happens, so a decision reads only the instances that can win."""
+
     def __init__(self, policy: DispatchPolicy, instances: InstanceSet, metrics: RouterMetrics | None = None
                  ) -> None:
         self.policy = policy
         self.instances = instances
         self.metrics = metrics
+        self._ranking = policy.ranking()
+        self._by_id: dict[str, Instance] = {}
+        self._ranked_as: dict[Instance, str] = {}
+        """The instance id each ranked instance is ranked under (a restarted llumlet may change it)."""
+        self._idle: dict[Instance, None] = {}
+        """Ranked instances with nothing to finish."""
+        for instance in instances.all():
+            self._rerank(instance)
+        instances.on_load_change(self._rerank)
 
     def dispatch(self, request: RequestLoad) -> Instance | None:
         """The chosen instance, with the request reserved on it; None to hold the request (no
         instance, or every instance busy while some of them has work that will finish)."""
         started = time.perf_counter()
-        candidates = self.instances.dispatchable()
+        now = time.monotonic()
+        by_id = self._by_id
+        decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now))
         chosen = None
-        if candidates:
-            by_id = {}
-            loads = []
-            for instance in candidates:
-                load = instance.effective_load()
-                by_id[load.instance_id] = instance
-                loads.append(load)
-            decision = self.policy.choose(loads, request)
-            if decision is not None:
-                chosen = by_id[decision.instance_id]
-                if decision.all_busy and not chosen.is_idle():
-                    # Hold it, unless an instance has nothing to finish (then nothing would wake us:
-                    # a request too large for any idle instance goes there and the engine decides).
-                    chosen = next((i for i in candidates if i.is_idle()), None)
+        if decision is not None:
+            chosen = by_id[decision.instance_id]
+            if decision.all_busy and not chosen.is_idle():
+                # Hold it, unless an instance has nothing to finish (then nothing would wake us:
+                # a request too large for any idle instance goes there and the engine decides).
+                chosen = next((i for i in self._idle if i.dispatchable(now)), None)
         if chosen is not None:
             chosen.reserve(request)
         if self.metrics is not None:
             self.metrics.dispatch_seconds.observe(time.perf_counter() - started)
         return chosen
+
+    def _rerank(self, instance: Instance) -> None:
+        load = None if instance.removed or instance.report is None else instance.effective_load()
+        ranked_as = self._ranked_as.get(instance)
+        if ranked_as is not None and (load is None or load.instance_id != ranked_as):
+            del self._ranked_as[instance]
+            if self._by_id.get(ranked_as) is instance:
+                del self._by_id[ranked_as]
+                self._ranking.discard(ranked_as)
+        if load is None:
+            self._idle.pop(instance, None)
+            return
+        self._ranked_as[instance] = load.instance_id
+        self._by_id[load.instance_id] = instance
+        self._ranking.update(load)
+        if instance.is_idle():
+            self._idle[instance] = None
+        else:
+            self._idle.pop(instance, None)
 
 
 @dataclass(order=True)

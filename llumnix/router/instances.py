@@ -29,10 +29,13 @@ stream may still look healthy: the llumlet is up, its engine is not)."""
 class Instance(LlumletConnection):
     """One llumlet as the router sees it."""
 
-    def __init__(self, address: str, on_change: Callable[[], None]) -> None:
+    def __init__(self, address: str, on_change: Callable[[], None],
+                 on_load_change: Callable[[Instance], None] = lambda _instance: None) -> None:
         super().__init__(address, on_change)
         self.serve = ServeSession(self.stub)
         """The data path: every request the router runs here travels on this one stream."""
+        self._on_load_change = on_load_change
+        """Runs whenever `effective_load()` or `is_idle()` may have changed."""
         self.pending: dict[str, RequestLoad] = {}
         """Dispatched here and not yet listed in the instance's load."""
         self.in_flight: set[str] = set()
@@ -40,8 +43,7 @@ class Instance(LlumletConnection):
         """Released here and still listed in the instance's load (its next load will drop them)."""
         self.unavailable_until = -float("inf")
         self._effective: InstanceLoad | None = None
-        """`effective_load()` until the load or the pending requests change (dispatch reads it for
-        every instance on every decision)."""
+        """`effective_load()` until the load or the pending requests change."""
 
     def dispatchable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -69,6 +71,7 @@ class Instance(LlumletConnection):
         self.pending[request.request_id] = request
         self.in_flight.add(request.request_id)
         self._effective = None
+        self._on_load_change(self)
 
     def release(self, request_id: str) -> None:
         """The request left this instance (finished, moved, failed or cancelled)."""
@@ -77,6 +80,7 @@ class Instance(LlumletConnection):
             self.ended.add(request_id)
         self._effective = None
         self.in_flight.discard(request_id)
+        self._on_load_change(self)
         self._on_change()
 
     def _observed(self, report: LoadReport) -> None:
@@ -86,6 +90,7 @@ class Instance(LlumletConnection):
             for request_id in listed.intersection(self.pending):
                 del self.pending[request_id]
             self.ended &= listed
+        self._on_load_change(self)
 
 
 def _listed(load: InstanceLoad) -> set[str]:
@@ -103,6 +108,7 @@ class InstanceSet:
         self._by_address: dict[str, Instance] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._load_listeners: list[Callable[[Instance], None]] = []
         self.changed = asyncio.Event()
 
     def all(self) -> list[Instance]:
@@ -114,6 +120,15 @@ class InstanceSet:
     def _notify(self) -> None:
         self.changed.set()
         self.on_change()
+
+    def on_load_change(self, listener: Callable[[Instance], None]) -> None:
+        """Call `listener(instance)` whenever an instance's effective load may have changed (a load
+        arrived, a request was reserved or released there) and when it is removed."""
+        self._load_listeners.append(listener)
+
+    def _load_changed(self, instance: Instance) -> None:
+        for listener in self._load_listeners:
+            listener(instance)
 
     def start(self) -> None:
         if self.source is not None:
@@ -134,7 +149,7 @@ class InstanceSet:
         """`watch=False`: no load subscription; loads come from `Instance.observe` (benchmarks)."""
         instance = self._by_address.get(address)
         if instance is None:
-            instance = self._by_address[address] = Instance(address, self._notify)
+            instance = self._by_address[address] = Instance(address, self._notify, self._load_changed)
             if watch:
                 instance.start()
             logger.info("instance added", extra={"address": address})
@@ -154,6 +169,7 @@ class InstanceSet:
         if instance is not None:
             # Requests running there keep their stream; the channel closes when they are done.
             instance.removed = True
+            self._load_changed(instance)
             logger.info("instance removed", extra={"address": address})
             self._notify()
             task = asyncio.create_task(self._close_when_idle(instance))

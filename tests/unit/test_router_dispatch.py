@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
+from dispatch_reference import random_load, random_request, reference_choice
 
 from llumnix.load import InstanceLoad, RequestLoad
-from llumnix.policies.dispatch import make_dispatch_policy
+from llumnix.policies.dispatch import ScoringPolicy, make_dispatch_policy
 from llumnix.router.dispatcher import Dispatcher, DispatchQueue
 from llumnix.router.errors import RouterError
-from llumnix.router.instances import InstanceSet
+from llumnix.router.instances import Instance, InstanceSet
 from llumnix.wire import LoadReport, LoadSource
 
 
@@ -69,6 +73,18 @@ async def test_busy_instances_hold_the_request_unless_one_is_idle() -> None:
     too_big = request(2, tokens=5000)
     chosen = dispatcher.dispatch(too_big)
     assert chosen is not None and chosen.instance_id == "b"
+
+
+async def test_a_request_too_large_for_every_instance_goes_to_an_idle_one_not_the_best_busy_one() -> None:
+    running = (RequestLoad("x", 9000, blocks=600),)
+    instances = cluster(report("big", free_blocks=400, running=running, total_blocks=1000),
+                        report("small", free_blocks=50, total_blocks=50))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    # 8000 tokens = 500 blocks: "big" would be 100 blocks short, "small" 450, and only "small" is idle.
+    chosen = dispatcher.dispatch(request(1, tokens=8000))
+    assert chosen is not None and chosen.instance_id == "small"
+    # Now neither is idle: the next one is held.
+    assert dispatcher.dispatch(request(2, tokens=8000)) is None
 
 
 async def test_a_held_request_goes_where_a_request_ended_before_the_next_load_shows_it() -> None:
@@ -136,3 +152,69 @@ async def test_queue_timeout_and_cancellation_release_everything() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert len(queue) == 0
+
+
+async def test_a_restarted_llumlet_with_a_new_id_and_a_removed_instance_are_no_longer_chosen() -> None:
+    instances = cluster(report("old-id", free_blocks=100), report("b", free_blocks=50))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    a, b = instances.all()
+    for free, sequence in ((10, 1), (100, 2)):  # a restarted llumlet starts its sequence again
+        a.observe(LoadReport(InstanceLoad("new-id", 100, free, 16, timestamp=5.0 + sequence), 0.0, 0.0,
+                             0.0, LoadSource.CONNECTOR, sequence))
+        assert dispatcher.dispatch(request(sequence)) is (b if free == 10 else a)
+    await instances.remove(a.address)
+    assert {dispatcher.dispatch(request(i)) for i in range(3, 6)} == {b}
+    await instances.close()
+
+
+@pytest.mark.parametrize("name", ["llumnix", "infaas++", "least-requests", "round-robin"])
+async def test_dispatch_chooses_as_the_policy_does_over_every_effective_load(name: str) -> None:
+    """Loads arrive (listing some of the requests dispatched there), requests are dispatched and
+    released in random order; every decision is the one the straightforward picker makes over the
+    effective loads of the dispatchable instances."""
+    rng = random.Random(name)
+    policy = make_dispatch_policy(name, rng=random.Random(1))
+    reference = make_dispatch_policy(name, rng=random.Random(1))
+    instances = InstanceSet()
+    in_flight: dict[str, tuple[Instance, RequestLoad]] = {}
+    sequence = itertools.count(1)
+
+    def new_load(instance: Instance, instance_id: str) -> None:
+        listed = tuple(r for i, r in in_flight.values() if i is instance and rng.random() < 0.7)
+        load = random_load(rng, instance_id)
+        instance.observe(LoadReport(replace(load, waiting=load.waiting + listed, timestamp=next(sequence)),
+                                    0.0, 0.0, 0.0, LoadSource.CONNECTOR, next(sequence)))
+
+    for k in range(8):
+        new_load(instances.add(f"127.0.0.1:{k + 1}", watch=False), f"i{k}")
+    dispatcher = Dispatcher(policy, instances)
+    for n in range(400):
+        step = rng.random()
+        if step < 0.3:
+            k = rng.randrange(len(instances))
+            new_load(instances.all()[k], f"i{k}")
+        elif step < 0.5 and in_flight:
+            instance, r = in_flight.pop(rng.choice(sorted(in_flight)))
+            instance.release(r.request_id)
+        else:
+            r = random_request(rng, f"n{n}")
+            candidates = instances.dispatchable()
+            loads = [i.effective_load() for i in candidates]
+            idle = [i for i in candidates if i.is_idle()]
+            chosen = dispatcher.dispatch(r)
+            if isinstance(reference, ScoringPolicy):
+                expected = reference_choice(reference, loads, r, reference.rng)
+            else:
+                decision = reference.choose(loads, r)
+                expected = decision and (decision.instance_id, decision.all_busy)
+            if expected is None:
+                assert chosen is None
+            else:
+                by_id = {i.instance_id: i for i in candidates}
+                if expected[1] and not by_id[expected[0]].is_idle():
+                    assert chosen in idle if idle else chosen is None
+                else:
+                    assert chosen is by_id[expected[0]]
+            if chosen is not None:
+                in_flight[r.request_id] = (chosen, r)
+    await instances.close()
