@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import uvloop
 from aiohttp import web
 from tqdm import tqdm
 
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workload = args.workload or (DEMO_REQUESTS if args.demo else 0)
     try:
-        return asyncio.run(serve(args, settings, work_dir.resolve(), model_dir, workload,
+        return uvloop.run(serve(args, settings, work_dir.resolve(), model_dir, workload,
                                  args.then_stop or args.demo))
     except OSError as exc:
         print(f"llumnix up: {exc}", file=sys.stderr)

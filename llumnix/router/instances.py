@@ -55,6 +55,10 @@ class Instance(LlumletConnection):
     def mark_available(self) -> None:
         self.unavailable_until = -float("inf")
 
+    async def close(self) -> None:
+        await self.serve.close()
+        await super().close()
+
     def effective_load(self) -> InstanceLoad:
         """The latest load plus the requests dispatched here that it does not list yet, minus the
         requests that ended here since."""
