@@ -6,6 +6,7 @@ so the spliced output must equal an unfailed run token for token."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -33,7 +34,7 @@ RouterOver = Callable[[list[str]], Awaitable[Router]]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def instances(sim_pairs: StartPairs) -> list[EnginePair]:
-    return await sim_pairs(4, "f", engine_args=("--time-scale", "2"))
+    return await sim_pairs(5, "f", engine_args=("--time-scale", "2"))
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -169,3 +170,37 @@ async def test_a_moved_request_continues_from_its_destination(instances: list[En
         assert counter(router, "moves") == 1 and counter(router, "replays") == 0
     finally:
         await server.stop(grace=None)
+
+
+async def test_every_request_on_a_llumlet_that_dies_resumes_elsewhere(instances: list[EnginePair],
+                                                                     router_over: RouterOver) -> None:
+    """All requests on an instance share one Serve stream; when its llumlet dies, each of them resumes
+    by token replay on the other instance and the clients see unbroken, exact output."""
+    first, second = alive(instances)[:2]
+    router = await router_over([first.grpc_address, second.grpc_address])
+    by_address = {p.grpc_address: p for p in (first, second)}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
+    expected = await unfailed(second, "/v1/completions", body)
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    started = [asyncio.Event() for _ in range(6)]
+
+    async def read(started: asyncio.Event) -> str:
+        pieces: list[str] = []
+        stream = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]
+        async for chunk in stream:
+            pieces.extend(choice.text for choice in chunk.choices)
+            if len("".join(pieces)) >= 10:
+                started.set()
+        return "".join(pieces)
+
+    readers = [asyncio.create_task(read(event)) for event in started]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+    busiest = max(router.instances.all(), key=lambda instance: len(instance.in_flight))
+    on_it = len(busiest.in_flight)
+    assert on_it >= 1
+    victim = by_address[busiest.address]
+    victim.llumlet.signal(signal.SIGKILL)
+    texts = await asyncio.wait_for(asyncio.gather(*readers), 120)
+    victim.kill_engine()  # the pair is dead for the tests after this one
+    assert texts == [expected] * len(readers)
+    assert counter(router, "replays") == on_it
