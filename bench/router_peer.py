@@ -1,11 +1,11 @@
 """The data path side by side: one engine served directly, through the peer router (vllm-router, when
 installed), through the llumlet's HTTP front, and through the product's path (`llumnix router` ->
-llumlet gRPC -> engine), each measured by `vllm bench serve` in one run, with ratios to the engine.
+llumlet gRPC `Serve` -> engine), each measured by `vllm bench serve` in one run, with ratios to the engine.
 
     .venv/bin/python bench/router_peer.py                      # sim engine, concurrency 4, 32, 128
-    .venv/bin/python bench/router_peer.py --engine vllm --concurrency 4,16 --num-prompts 200 \\
-        --time-scale 1                                         # CPU vLLM, the tiny model
-    .venv/bin/python bench/router_peer.py --router-workers 2   # the router with two worker processes
+    .venv/bin/python bench/router_peer.py --engine vllm --concurrency 4,16 --num-prompts 100
+                                                               # CPU vLLM, the tiny model
+    .venv/bin/python bench/router_peer.py --router-workers 1,2 # also a router of two worker processes
 
 The sim engine (`--time-scale 200`, 256 sequences) makes tokens faster than a GPU does, so the engine
 is not the bottleneck and what the paths add shows. The client is a separate process (`vllm bench
@@ -117,7 +117,8 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
                       ) -> tuple[EnginePair, list[Service], list[ServedPath]]:
     engine_args: tuple[str, ...] = ("--time-scale", str(args.time_scale)) if args.engine == "sim" else ()
     pair = EnginePair(PairConfig(instance_id="bench-0", work_dir=work / "pair", engine=args.engine,
-                                 model_dir=model_dir, served_model_name=MODEL, block_size=16,
+                                 model_dir=model_dir, served_model_name=MODEL,
+                                 block_size=16 if args.engine == "sim" else 32,  # vLLM on CPU: 32
                                  max_model_len=max(1024, 2 * (args.input_len + args.output_len)),
                                  max_num_seqs=args.max_num_seqs, engine_args=engine_args))
     await pair.start()
@@ -137,14 +138,16 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
         else:
             print("vllm-router is not installed (pip install '.[bench]'): the peer is left out", flush=True)
         paths.append(ServedPath("llumlet HTTP", pair.llumlet.http_url))
-        port = free_port()
-        router = Service("llumnix router", [
-            sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
-            "--port", str(port), "--instances", pair.grpc_address, "--queue-size", "4096",
-            "--log-level", "warning", "--workers", str(args.router_workers)], work / "router.log")
-        services.append(router)
-        await router.wait_ready(f"http://127.0.0.1:{port}", "/health")
-        paths.append(ServedPath("llumnix router", f"http://127.0.0.1:{port}"))
+        for workers in args.router_workers:
+            name = "llumnix router" + (f" x{workers}" if workers > 1 else "")
+            port = free_port()
+            router = Service(name, [
+                sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
+                "--port", str(port), "--instances", pair.grpc_address, "--queue-size", "4096",
+                "--log-level", "warning", "--workers", str(workers)], work / f"router-{workers}.log")
+            services.append(router)
+            await router.wait_ready(f"http://127.0.0.1:{port}", "/health")
+            paths.append(ServedPath(name, f"http://127.0.0.1:{port}"))
     except BaseException:
         for service in services:
             service.stop()
@@ -256,7 +259,8 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=200.0,
                         help="sim engine speed-up over the default profile (default: %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--router-workers", type=int, default=1)
+    parser.add_argument("--router-workers", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                        help="comma-separated worker counts; one llumnix router per count (default: 1)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per path and concurrency; the best is kept")
     parser.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
