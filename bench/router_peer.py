@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import psutil
 
+from llumnix.launch.child_process import ChildCommand, ChildProcess
 from llumnix.launch.pair import EnginePair, PairConfig, free_port
 from llumnix.tiny_model import TinyModelRecipe, ensure_tiny_model
 
@@ -56,38 +53,12 @@ class ServedPath:
     url: str
 
 
-class Service:
-    """A process this benchmark started (router, peer router), stopped with its process group."""
-
-    def __init__(self, name: str, command: list[str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-
-    async def wait_ready(self, url: str, ready: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    break
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url + ready) as response:
-                        if response.status == 200:
-                            return
-                await asyncio.sleep(0.2)
-        raise RuntimeError(f"{self.name} did not become ready; see {self.log}:\n"
-                           + self.log.read_text(errors="replace")[-2000:])
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+async def start_service(name: str, argv: list[str], port: int, work: Path) -> ChildProcess:
+    """A router (or the peer) on `port`, once its /health answers 200."""
+    service = ChildProcess(name, work / f"{name.replace(' ', '-')}.log",
+                           f"http://127.0.0.1:{port}/health", grace_s=30)
+    await service.launch(ChildCommand(argv), timeout_s=120)
+    return service
 
 
 def run_client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace, work: Path,
@@ -114,7 +85,7 @@ def run_client(url: str, tokenizer: Path, concurrency: int, args: argparse.Names
 
 
 async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | None
-                      ) -> tuple[EnginePair, list[Service], list[ServedPath]]:
+                      ) -> tuple[EnginePair, list[ChildProcess], list[ServedPath]]:
     engine_args: tuple[str, ...] = ("--time-scale", str(args.time_scale)) if args.engine == "sim" else ()
     pair = EnginePair(PairConfig(instance_id="bench-0", work_dir=work / "pair", engine=args.engine,
                                  model_dir=model_dir, served_model_name=MODEL,
@@ -122,18 +93,16 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
                                  max_model_len=max(1024, 2 * (args.input_len + args.output_len)),
                                  max_num_seqs=args.max_num_seqs, engine_args=engine_args))
     await pair.start()
-    services: list[Service] = []
+    services: list[ChildProcess] = []
     paths = [ServedPath("engine", pair.engine_url)]
     try:
         peer = (shutil.which("vllm-router", path=str(Path(sys.executable).parent))
                 or shutil.which("vllm-router"))
         if peer and not args.no_peer:
             port = free_port()
-            service = Service("vllm-router", [peer, "--host", "127.0.0.1", "--port", str(port),
-                                              "--worker-urls", pair.engine_url, "--policy", "round_robin",
-                                              "--log-level", "warning"], work / "vllm-router.log")
-            services.append(service)
-            await service.wait_ready(f"http://127.0.0.1:{port}", "/health")
+            services.append(await start_service("vllm-router", [
+                peer, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", pair.engine_url,
+                "--policy", "round_robin", "--log-level", "warning"], port, work))
             paths.append(ServedPath("vllm-router", f"http://127.0.0.1:{port}"))
         else:
             print("vllm-router is not installed (pip install '.[bench]'): the peer is left out", flush=True)
@@ -141,16 +110,13 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
         for workers in args.router_workers:
             name = "llumnix router" + (f" x{workers}" if workers > 1 else "")
             port = free_port()
-            router = Service(name, [
+            services.append(await start_service(name, [
                 sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
                 "--port", str(port), "--instances", pair.grpc_address, "--queue-size", "4096",
-                "--log-level", "warning", "--workers", str(workers)], work / f"router-{workers}.log")
-            services.append(router)
-            await router.wait_ready(f"http://127.0.0.1:{port}", "/health")
+                "--log-level", "warning", "--workers", str(workers)], port, work))
             paths.append(ServedPath(name, f"http://127.0.0.1:{port}"))
     except BaseException:
-        for service in services:
-            service.stop()
+        await asyncio.gather(*(service.terminate() for service in services))
         await pair.stop()
         raise
     return pair, services, paths
@@ -210,7 +176,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
     pair, services, paths = await start_paths(args, work, model_dir if args.engine == "vllm" else None)
     rows: list[dict[str, object]] = []
     pids = {"engine": pair.engine.pid, "llumlet": pair.llumlet.pid,
-            **{service.name: service.process.pid for service in services}}
+            **{service.name: service.pid for service in services}}
     try:
         for c_index, concurrency in enumerate(args.concurrency):
             results: dict[str, dict[str, float]] = {}
@@ -240,8 +206,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
                              "ttft_ratio": result["median_ttft_ms"] / direct["median_ttft_ms"],
                              "itl_ratio": result["p99_itl_ms"] / direct["p99_itl_ms"]})
     finally:
-        for service in services:
-            service.stop()
+        await asyncio.gather(*(service.terminate() for service in services))
         await pair.stop()
     return rows
 

@@ -17,27 +17,13 @@ import aiohttp
 import psutil
 import pytest
 
+from llumnix.launch.child_process import ChildCommand, ChildProcess
 from llumnix.launch.pair import EnginePair, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = "sim"
 REQUESTS = 24
-
-
-async def wait_ready(url: str, router: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while asyncio.get_running_loop().time() < deadline:
-            assert router.poll() is None, f"the router exited: {log.read_text()}"
-            try:
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"the router did not become ready in {timeout_s} s: {log.read_text()}")
 
 
 def requests_total(exposition: str) -> float:
@@ -51,15 +37,14 @@ async def test_two_workers_share_the_port_and_their_metrics(
         sim_pairs: Callable[..., Awaitable[list[EnginePair]]], tmp_path: Path) -> None:
     pairs = await sim_pairs(2, "workers", engine_args=("--time-scale", "20"))
     port = free_port()
-    log = tmp_path / "router.log"
-    with open(log, "wb") as out:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
-             "--port", str(port), "--instances", ",".join(p.grpc_address for p in pairs), "--workers", "2"],
-            stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    router = ChildProcess("router", tmp_path / "router.log", url + "/health", grace_s=30)
     try:
-        await wait_ready(url, router, log)
+        await router.launch(ChildCommand((
+            sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--instances", ",".join(p.grpc_address for p in pairs), "--workers", "2")),
+            timeout_s=60)
+        assert router.pid is not None
         workers = [child for child in psutil.Process(router.pid).children()
                    if "spawn_main" in " ".join(child.cmdline())]  # not multiprocessing's resource tracker
         assert len(workers) == 2
@@ -85,13 +70,14 @@ async def test_two_workers_share_the_port_and_their_metrics(
             for _ in range(4):  # whichever worker answers the scrape reports both workers' requests
                 async with session.get(url + "/metrics") as response:
                     assert requests_total(await response.text()) == REQUESTS
-        router.send_signal(signal.SIGTERM)
-        assert router.wait(60) == 0
+        os.kill(router.pid, signal.SIGTERM)  # the supervisor alone: it passes the signal on
+        deadline = asyncio.get_running_loop().time() + 60
+        while router.returncode is None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert router.returncode == 0, f"the router did not stop within 60 s: {router.log_tail()}"
         assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     finally:
-        if router.poll() is None:
-            os.kill(router.pid, signal.SIGKILL)
-            router.wait()
+        await router.terminate()
 
 
 def test_workers_below_one_is_a_usage_error() -> None:
