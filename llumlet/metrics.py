@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -14,7 +15,12 @@ PREFIX = "llumnix_llumlet"
 
 
 class _LoadCollector(Collector):
-    """Load gauges computed at scrape time from the newest report."""
+    """Load gauges computed at scrape time from the newest report.
+
+    The label is `instance_id`, never `instance`: Prometheus sets `instance` on every target itself
+    (and renames a scraped one to `exported_instance`). No value is ever infinite: a draining
+    instance's freeness and virtual usage (−inf / +inf in the load model) are left out, so `avg()` and
+    `min()` over instances stay finite; `llumnix_llumlet_draining` says why they are missing."""
 
     def __init__(self, instance_id: str, current_report: Callable[[], LoadReport | None]) -> None:
         self._instance_id = instance_id
@@ -26,23 +32,29 @@ class _LoadCollector(Collector):
             return
         load = report.load
         values = {
-            "freeness": ("Blocks of headroom per batched request (-Inf while draining)", report.freeness),
-            "virtual_usage_blocks": ("Virtual usage in KV blocks (+Inf while draining)",
+            "freeness": ("Free KV blocks per batched request (x block size = decode steps of headroom); "
+                         "absent while draining", report.freeness),
+            "virtual_usage_blocks": ("Virtual usage in KV blocks; absent while draining",
                                      report.virtual_usage),
             "free_blocks": ("Free KV blocks reported by the engine", load.free_blocks),
             "total_blocks": ("Total KV blocks of the engine", load.total_blocks),
+            "block_size_tokens": ("Tokens per KV block", load.block_size),
             "running_requests": ("Requests the engine is running", len(load.running)),
             "waiting_requests": ("Requests queued (engine queue and admitted-not-yet-queued)",
                                  len(load.waiting)),
-            "snapshot_age_seconds": ("Age of the engine observation behind the load", report.snapshot_age_s),
+            "recent_preemptions": ("Requests the engine preempted since its previous snapshot (non-zero: "
+                                   "the instance is overloaded)", load.preemptions),
+            "snapshot_age_seconds": ("Age of the engine observation behind the load; absent before the "
+                                     "first", report.snapshot_age_s),
             "draining": ("1 while the instance is draining", float(load.draining)),
         }
         for name, (doc, value) in values.items():
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["instance"])
-            family.add_metric([self._instance_id], float(value))
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["instance_id"])
+            if math.isfinite(value):
+                family.add_metric([self._instance_id], float(value))
             yield family
         source = GaugeMetricFamily(f"{PREFIX}_load_source", "1 for the source of the current load",
-                                   labels=["instance", "source"])
+                                   labels=["instance_id", "source"])
         source.add_metric([self._instance_id, report.source.value], 1.0)
         yield source
 

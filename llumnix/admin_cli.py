@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from llumnix.control.status import FREENESS_MEANING, headroom
+
 DEFAULT_ADMIN_URL = "http://127.0.0.1:8090"
 
 
@@ -53,15 +55,18 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """The status JSON as a table plus a line of counters."""
-    header = (f"{'INSTANCE':<20}{'PHASE':<12}{'FREENESS':>10}{'RUNNING':>9}{'WAITING':>9}  "
+    """The status JSON as a table plus a line of counters; freeness with what it means."""
+    block_size = status.get("block_size")
+    aggregate = headroom(status["aggregate_freeness"], block_size, idle=status["idle"])
+    header = (f"{'INSTANCE':<20}{'PHASE':<12}{'FREENESS':>10}  {'HEADROOM':<20}{'RUNNING':>7}{'WAITING':>9}  "
               f"{'DRAINING':<9}ADDRESS")
     lines = [f"service {status['name']}: {status['ready']} ready / {status['desired']} desired, "
-             f"aggregate freeness {_fmt(status['aggregate_freeness'])}", header]
+             f"aggregate freeness {_fmt(status['aggregate_freeness'])} ({aggregate})", header]
     for i in status["instances"]:
-        lines.append(f"{i['instance_id']:<20}{i['phase']:<12}{_fmt(i['freeness']):>10}{i['running']:>9}"
-                     f"{i['waiting']:>9}  {'yes' if i['draining'] else 'no':<9}{i['address'] or '-'}"
-                     + (f"  ({i['message']})" if i['message'] else ""))
+        room = headroom(i["freeness"], i.get("block_size"), idle=i["idle"], draining=i["draining"])
+        lines.append(f"{i['instance_id']:<20}{i['phase']:<12}{_fmt(i['freeness']):>10}  {room:<20}"
+                     f"{i['running']:>7}{i['waiting']:>9}  {'yes' if i['draining'] else 'no':<9}"
+                     f"{i['address'] or '-'}" + (f"  ({i['message']})" if i['message'] else ""))
     migrations = ", ".join(f"{k} {v}" for k, v in sorted(status["migrations"].items())) or "none"
     lines.append(f"migrations: {migrations}; scale-ups {status['scale_ups']}, drains {status['drains']}, "
                  f"releases {status['releases']}, replacements {status['replacements']}")
@@ -70,6 +75,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"last decision: {decision['kind']} {decision.get('instance_id') or ''} "
                      f"({decision['reason']}; aggregate freeness "
                      f"{_fmt(decision.get('aggregate_freeness'))})")
+    lines.append(FREENESS_MEANING)
     return "\n".join(lines)
 
 

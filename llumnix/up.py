@@ -31,7 +31,7 @@ from llumnix.control.admin_api import admin_app
 from llumnix.control.local_backend import LocalProcessBackend, pair_config
 from llumnix.control.loop import ControlLoop
 from llumnix.control.migration_pass import outcome_name
-from llumnix.control.status import ControlEvent, ServiceStatus
+from llumnix.control.status import FREENESS_MEANING, ControlEvent, InstanceStatus, ServiceStatus, headroom
 from llumnix.jsonlog import configure_json_logging
 from llumnix.router import cli as router_cli
 from llumnix.router.instance_source import ListInstanceSource
@@ -86,12 +86,15 @@ def status_line(status: ServiceStatus, in_flight: int) -> str:
             return "-"
         return f"{value:.0f}" if math.isfinite(value) else "drain"
 
-    loads = " ".join(f"{i.instance_id.rsplit('-', 1)[-1]}:{fmt(i.freeness)}" for i in status.instances)
+    def load(i: InstanceStatus) -> str:
+        return "idle" if i.idle and not i.draining else fmt(i.freeness)
+
+    loads = " ".join(f"{i.instance_id.rsplit('-', 1)[-1]}:{load(i)}" for i in status.instances)
     running = sum(i.running for i in status.instances)
     waiting = sum(i.waiting for i in status.instances)
     migrations = sum(v for k, v in status.migrations.items() if k == "committed")
     return (f"{status.ready}/{status.desired} ready | freeness {loads or '-'} "
-            f"(aggregate {fmt(status.aggregate_freeness)}) | running {running} "
+            f"(aggregate {'idle' if status.idle else fmt(status.aggregate_freeness)}) | running {running} "
             f"waiting {waiting} in-flight {in_flight} | migrations {migrations}")
 
 
@@ -233,8 +236,9 @@ async def run_workload(service: LocalService, args: argparse.Namespace, requests
     if note:
         print(f"  {note}")
     print("freeness per instance: " + ", ".join(
-        f"{i.instance_id} {i.freeness:.1f}" if i.freeness is not None and math.isfinite(i.freeness)
-        else f"{i.instance_id} -" for i in status.instances))
+        f"{i.instance_id} {headroom(i.freeness, i.block_size, idle=i.idle, draining=i.draining)}"
+        for i in status.instances))
+    print(f"  ({FREENESS_MEANING})")
     return summary["finished"] == summary["requests"]
 
 

@@ -32,7 +32,17 @@ STATUS_SCHEMA: dict[str, Any] = {
             "type": "object",
             "properties": {"ready": {"type": "integer"}, "desired": {"type": "integer"}},
         },
-        "averageFreeness": {"type": "number"},
+        "aggregateFreeness": {
+            "type": "number",
+            "description": "freeness of the serving instances seen as one (free KV blocks per batched "
+            "request, the whole backlog counted): what the autoscaler compares with scaleUpBelow and "
+            "scaleDownAbove",
+        },
+        "headroom": {
+            "type": "string",
+            "description": "aggregateFreeness for a person: 'idle' when no request runs, else the "
+            "decode steps each running request can still take before the KV cache is full",
+        },
         "migrations": {
             "type": "object",
             "properties": {"completed": {"type": "integer"}, "aborted": {"type": "integer"}},
@@ -81,7 +91,10 @@ STATUS_SCHEMA: dict[str, Any] = {
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.instances.ready"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.instances.desired"},
-    {"name": "Freeness", "type": "number", "jsonPath": ".status.averageFreeness"},
+    {"name": "Freeness", "type": "number", "jsonPath": ".status.aggregateFreeness",
+     "description": "aggregate freeness (free KV blocks per batched request), the autoscaler's signal"},
+    {"name": "Headroom", "type": "string", "jsonPath": ".status.headroom",
+     "description": "idle, or decode steps each running request can still take"},
     {"name": "Migrations", "type": "integer", "jsonPath": ".status.migrations.completed"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

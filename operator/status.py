@@ -1,5 +1,6 @@
 """The LLMService `.status` (schema: `llumnix_operator.crd.STATUS_SCHEMA`) from the control loop's
-`ServiceStatus`: counts, freeness, per-instance summary, the last scaling decision (with the aggregate
+`ServiceStatus`: counts, the aggregate freeness the autoscaler acts on (and what it means in decode
+steps), per-instance summary, the last scaling decision (with the aggregate
 freeness it was taken at), and the Ready / Progressing / Degraded conditions with their reasons."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import datetime
 import math
 from typing import Any
 
-from llumnix.control.status import ServiceStatus
+from llumnix.control.status import ServiceStatus, headroom
 from llumnix_operator.naming import ENGINE, selector_string
 
 TRANSITIONAL_PHASES = ("starting", "terminating")
@@ -102,7 +103,9 @@ def service_status(
         "replicas": len([i for i in status.instances if i.phase != "terminating"]),
         "selector": selector_string(status.name, ENGINE),
         "instances": {"ready": status.ready, "desired": status.desired},
-        "averageFreeness": _finite(status.average_freeness),
+        "aggregateFreeness": _finite(status.aggregate_freeness),
+        "headroom": None if status.aggregate_freeness is None
+        else headroom(status.aggregate_freeness, status.block_size, idle=status.idle),
         "migrations": {
             "completed": before.get("completed", 0) + migrations.get("committed", 0),
             "aborted": before.get("aborted", 0) + migrations.get("aborted", 0) + migrations.get("error", 0),
@@ -140,6 +143,8 @@ def service_status(
 
 LOAD_FIELDS = ("freeness", "running", "waiting")
 """Per-instance figures that move with every request (written at a bounded rate)."""
+SERVICE_LOAD_FIELDS = ("aggregateFreeness", "headroom")
+"""The same for the service as a whole."""
 
 
 def _comparable(status: dict[str, Any], with_load: bool) -> dict[str, Any]:
@@ -148,7 +153,8 @@ def _comparable(status: dict[str, Any], with_load: bool) -> dict[str, Any]:
     ]
     result = {**status, "conditions": conditions}
     if not with_load:
-        result.pop("averageFreeness", None)
+        for key in SERVICE_LOAD_FIELDS:
+            result.pop(key, None)
         result["instanceSummaries"] = [
             {k: v for k, v in i.items() if k not in LOAD_FIELDS}
             for i in status.get("instanceSummaries") or []

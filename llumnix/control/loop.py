@@ -139,7 +139,8 @@ class ControlLoop:
                 freeness=freeness(load, load_model) if load is not None else None,
                 running=len(load.running) if load is not None else 0,
                 waiting=len(load.waiting) if load is not None else 0,
-                draining=instance_id in self._drains, message=info.message))
+                draining=instance_id in self._drains, message=info.message,
+                block_size=load.block_size if load is not None else None))
         return ServiceStatus(
             name=self.settings.name, desired=self.desired, instances=tuple(rows),
             aggregate_freeness=self._aggregate_freeness(), migrations=dict(self._migrations.outcomes),

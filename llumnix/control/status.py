@@ -29,6 +29,12 @@ class InstanceStatus:
     waiting: int = 0
     draining: bool = False
     message: str = ""
+    block_size: int | None = None
+    """Tokens per KV block (from the load; None until a load arrived)."""
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +72,43 @@ class ServiceStatus:
         return sum(1 for i in self.instances if i.phase == "ready" and not i.draining)
 
     @property
-    def average_freeness(self) -> float | None:
-        values = [i.freeness for i in self.instances
-                  if i.freeness is not None and math.isfinite(i.freeness) and not i.draining]
-        return sum(values) / len(values) if values else None
+    def idle(self) -> bool:
+        """No request runs or waits on a serving instance."""
+        return all(i.idle for i in self.instances if i.phase == "ready" and not i.draining)
+
+    @property
+    def block_size(self) -> int | None:
+        """The service's KV block size (one model, one block size), from the first load seen."""
+        return next((i.block_size for i in self.instances if i.block_size), None)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict: infinite freeness (draining) becomes null."""
         data = asdict(self)
         data["ready"] = self.ready
-        data["average_freeness"] = self.average_freeness
-        for instance in data["instances"]:
-            if instance["freeness"] is not None and not math.isfinite(instance["freeness"]):
-                instance["freeness"] = None
+        data["idle"] = self.idle
+        data["block_size"] = self.block_size
+        for instance, row in zip(self.instances, data["instances"], strict=True):
+            row["idle"] = instance.idle
+            if instance.freeness is not None and not math.isfinite(instance.freeness):
+                row["freeness"] = None
         return data
+
+
+FREENESS_MEANING = ("freeness = free KV blocks per batched request; x block size = decode steps each "
+                    "running request can still take before the KV cache is full")
+
+
+def headroom(freeness: float | None, block_size: int | None, *, idle: bool, draining: bool = False) -> str:
+    """What a freeness figure means to a person: `idle` when nothing runs (an idle instance's freeness
+    is just its free blocks), `draining`, or the decode steps of headroom per request."""
+    if draining:
+        return "draining"
+    if freeness is None:
+        return "-"
+    if idle:
+        return "idle"
+    if not math.isfinite(freeness):
+        return "draining"
+    if block_size is None:
+        return f"{freeness:.1f} blocks/request"
+    return f"{freeness * block_size:.0f} decode steps"

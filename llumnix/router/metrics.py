@@ -30,7 +30,7 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("llumnix_router_requests", "Finished requests by HTTP status and by the "
                                 "instance that finished them ('none': never dispatched)",
-                                ["status", "instance"], registry=r)
+                                ["status", "instance_id"], registry=r)
         self.queue_length = Gauge("llumnix_router_queue_length",
                                   "Requests held by the router while every instance is busy", registry=r,
                                   multiprocess_mode="livesum")

@@ -94,7 +94,7 @@ async def test_a_burst_spreads_over_every_instance(router: Router) -> None:
     served = collections.Counter()
     for sample in router.metrics.requests.collect()[0].samples:
         if sample.name.endswith("_total") and sample.labels["status"] == "200":
-            served[sample.labels["instance"]] += sample.value
+            served[sample.labels["instance_id"]] += sample.value
     assert len(served) == 3 and max(served.values()) - min(served.values()) <= 2, served
 
 
@@ -164,7 +164,7 @@ async def test_queue_503_and_instances_added_and_removed_at_run_time(
         for _ in range(3):
             status, _, _ = await complete(9)
             assert status == 200
-    served = {s.labels["instance"] for s in router.metrics.requests.collect()[0].samples
+    served = {s.labels["instance_id"] for s in router.metrics.requests.collect()[0].samples
               if s.name.endswith("_total") and s.labels["status"] == "200"}
     assert served == {"sim-1", "sim-2"}
 

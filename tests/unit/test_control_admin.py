@@ -13,8 +13,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from control_fakes import Harness, request, settings
 
 from llumnix import admin_cli
+from llumnix.admin_cli import format_status
 from llumnix.control.admin_api import admin_app
-from llumnix.control.status import InstanceStatus, ServiceStatus
+from llumnix.control.status import InstanceStatus, ServiceStatus, headroom
 from llumnix.service_spec import load_service_file
 from llumnix.up import status_line
 
@@ -44,9 +45,24 @@ async def test_status_lists_instances_with_their_loads(admin: tuple[Harness, Tes
 
 
 def test_local_mode_status_line_shows_the_aggregate_freeness() -> None:
-    status = ServiceStatus("svc", 2, (InstanceStatus("svc-0", "ready", "a:1", 20.0),
-                                      InstanceStatus("svc-1", "ready", "b:1", 40.0)), aggregate_freeness=27.4)
+    status = ServiceStatus("svc", 2, (InstanceStatus("svc-0", "ready", "a:1", 20.0, running=2),
+                                      InstanceStatus("svc-1", "ready", "b:1", 40.0, running=1)),
+                           aggregate_freeness=27.4)
     assert "freeness 0:20 1:40 (aggregate 27)" in status_line(status, in_flight=0)
+
+
+def test_an_idle_instance_reads_as_idle_not_as_its_free_blocks() -> None:
+    idle = InstanceStatus("svc-0", "ready", "a:1", 32759.0, block_size=16)
+    busy = InstanceStatus("svc-1", "ready", "b:1", 12.5, running=4, block_size=16)
+    status = ServiceStatus("svc", 2, (idle, busy), aggregate_freeness=6553.0)
+    assert "freeness 0:idle 1:12" in status_line(status, in_flight=4)
+    assert headroom(idle.freeness, idle.block_size, idle=idle.idle) == "idle"
+    assert headroom(busy.freeness, busy.block_size, idle=busy.idle) == "200 decode steps"
+    assert headroom(float("-inf"), 16, idle=False, draining=True) == "draining"
+    table = format_status(status.to_json())
+    assert "idle" in table and "200 decode steps" in table and "decode steps each running request" in table
+    quiet = ServiceStatus("svc", 1, (idle,), aggregate_freeness=32759.0)
+    assert "(aggregate idle)" in status_line(quiet, in_flight=0)
 
 
 async def test_drain_then_undrain_through_the_api(admin: tuple[Harness, TestClient]) -> None:

@@ -73,7 +73,10 @@ def test_scale_subresource_and_printer_columns() -> None:
         "Ready",
         "Desired",
         "Freeness",
+        "Headroom",
         "Migrations",
         "Age",
     ]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Freeness"] == ".status.aggregateFreeness"  # what the autoscaler acts on
     assert yaml.safe_load(yaml.safe_dump(crd_manifest())) == crd_manifest()

@@ -44,7 +44,9 @@ def test_steady_service() -> None:
     assert status["replicas"] == 2
     assert status["selector"] == "llumnix.io/service=llama,app.kubernetes.io/component=engine"
     assert status["instances"] == {"ready": 2, "desired": 2}
-    assert status["averageFreeness"] == 30.0
+    # the autoscaler's signal, not the mean of the instances' (20, 40)
+    assert status["aggregateFreeness"] == 25.0
+    assert status["headroom"] == "25.0 blocks/request"  # no load has told the block size yet
     assert status["migrations"] == {"completed": 7, "aborted": 3}
     assert status["instanceSummaries"][0] == {
         "name": "a",
@@ -106,7 +108,7 @@ def test_draining_instance_is_reported_and_reports_no_infinite_freeness() -> Non
     )
     status = build(service)
     assert conditions(status)["Progressing"] == ("True", "Draining")
-    assert status["averageFreeness"] == 20.0
+    assert status["aggregateFreeness"] == 20.0 and status["headroom"] == "idle"
     assert "freeness" not in status["instanceSummaries"][1] and status["instanceSummaries"][1]["draining"]
 
 
@@ -120,7 +122,15 @@ def test_successor_starting_is_replacing() -> None:
 def test_no_instance_serving() -> None:
     status = build(ServiceStatus("llama", 1, (), aggregate_freeness=None))
     assert conditions(status)["Ready"] == ("False", "NoInstanceServing")
-    assert "averageFreeness" not in status
+    assert "aggregateFreeness" not in status and "headroom" not in status
+
+
+def test_headroom_says_what_the_aggregate_freeness_means() -> None:
+    busy = ServiceStatus("llama", 1, (instance("a", running=2, block_size=16),), aggregate_freeness=12.5)
+    assert build(busy)["headroom"] == "200 decode steps"
+    idle = ServiceStatus("llama", 1, (instance("a", freeness=32759.0, block_size=16),),
+                         aggregate_freeness=32759.0)
+    assert build(idle)["headroom"] == "idle" and build(idle)["aggregateFreeness"] == 32759.0
 
 
 def test_transition_time_kept_while_a_condition_holds() -> None:
