@@ -20,6 +20,10 @@ from llumnix.wire import chunk_to_proto
 
 logger = logging.getLogger("llumlet.serve")
 
+MAX_BATCH_BYTES = 1 << 20
+"""A message stays well under gRPC's default 4 MiB receive limit (first chunks carry every prompt token
+id): a longer backlog goes in several messages."""
+
 RequestEvents = Callable[[pb.GenerateRequest], AsyncIterator[StreamEvent]]
 
 
@@ -93,13 +97,20 @@ class ServeStream:
         """Every event, batched; ends once the caller stopped sending commands and no request runs."""
         while True:
             if self._outbox:
-                events, self._outbox = self._outbox, []
-                yield pb.ServeEvents(events=events)
+                yield pb.ServeEvents(events=self._take_batch())
                 continue
             if self._commands_ended and not self._tasks:
                 return
             self._ready.clear()
             await self._ready.wait()
+
+    def _take_batch(self) -> list[pb.ServeEvent]:
+        count = size = 0
+        while count < len(self._outbox) and size < MAX_BATCH_BYTES:
+            size += self._outbox[count].ByteSize()
+            count += 1
+        batch, self._outbox = self._outbox[:count], self._outbox[count:]
+        return batch
 
     async def close(self) -> None:
         """The stream is gone: abort every request it started."""
