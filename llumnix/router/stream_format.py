@@ -23,33 +23,29 @@ class StreamFormat:
                 "created": self.created, "model": model}
 
     def chunk(self, chunk: GenerationChunk, model: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": chunk.index}
-        if self.endpoint is EndpointKind.CHAT:
-            delta: dict[str, Any] = {}
-            if chunk.role:
-                delta["role"] = chunk.role
-            delta["content"] = chunk.text
-            delta.update(chunk.extra_delta)
-            choice["delta"] = delta
-        else:
-            choice["text"] = chunk.text
-        choice["logprobs"] = chunk.logprobs
-        choice["finish_reason"] = chunk.finish_reason
-        choice["stop_reason"] = chunk.stop_reason
+        # Runs for every token: one dict per level, no copies (orjson writes tuples as arrays).
         payload = self._base(model)
+        if self.endpoint is EndpointKind.CHAT:
+            delta = {"role": chunk.role, "content": chunk.text} if chunk.role else {"content": chunk.text}
+            if chunk.extra_delta:
+                delta.update(chunk.extra_delta)
+            choice = {"index": chunk.index, "delta": delta, "logprobs": chunk.logprobs,
+                      "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
+            if self.return_token_ids and chunk.prompt_token_ids:
+                payload["prompt_token_ids"] = chunk.prompt_token_ids
+        else:
+            choice = {"index": chunk.index, "text": chunk.text, "logprobs": chunk.logprobs,
+                      "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason}
+            if self.return_token_ids and chunk.prompt_token_ids:
+                choice["prompt_token_ids"] = chunk.prompt_token_ids
         if self.return_token_ids:
-            choice["token_ids"] = list(chunk.token_ids)
-            if chunk.prompt_token_ids:
-                if self.endpoint is EndpointKind.CHAT:
-                    payload["prompt_token_ids"] = list(chunk.prompt_token_ids)
-                else:
-                    choice["prompt_token_ids"] = list(chunk.prompt_token_ids)
+            choice["token_ids"] = chunk.token_ids
         payload["choices"] = [choice]
         return payload
 
     def events(self, chunks: list[GenerationChunk], model: str) -> bytes:
         """The chunks as server-sent events, ready for one write."""
-        return b"".join(sse_event(self.chunk(chunk, model)) for chunk in chunks)
+        return b"".join([sse_event(self.chunk(chunk, model)) for chunk in chunks])
 
     def usage(self, usage: Usage, model: str) -> dict[str, Any]:
         return {**self._base(model), "choices": [],

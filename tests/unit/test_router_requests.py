@@ -3,6 +3,7 @@ token-replay bodies and OpenAI stream chunks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from llumnix.router.api_keys import ApiKeyChecker, load_api_keys
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
 from llumnix.router.errors import RouterError
 from llumnix.router.instance_source import FileInstanceSource, parse_addresses
-from llumnix.router.stream_format import StreamFormat
+from llumnix.router.stream_format import StreamFormat, sse_event
 
 COMPLETION = EndpointKind.COMPLETION
 CHAT = EndpointKind.CHAT
@@ -126,7 +127,9 @@ def test_chat_replay_goes_through_completions_with_the_templated_prompt_ids() ->
 
 def test_stream_chunks_are_openai_shaped() -> None:
     chat = StreamFormat(CHAT, "chatcmpl-1", 123, return_token_ids=True)
-    first = chat.chunk(GenerationChunk(role="assistant", prompt_token_ids=(1, 2)), "m")
+    # As the client reads it: the JSON of the event.
+    first = json.loads(sse_event(chat.chunk(GenerationChunk(role="assistant", prompt_token_ids=(1, 2)),
+                                            "m")).removeprefix(b"data: "))
     assert first == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 123, "model": "m",
                      "prompt_token_ids": [1, 2],
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
