@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,6 +173,10 @@ def plot(rows: list[dict[str, object]], out: Path, title: str) -> None:
 
 
 async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]:
+    # SIGTERM cancels the run, so that the engine, the llumlet and the routers are stopped too.
+    this = asyncio.current_task()
+    assert this is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, this.cancel)
     model_dir = ensure_tiny_model(REPO / ".cache" / "models", TinyModelRecipe())
     pair, services, paths = await start_paths(args, work, model_dir if args.engine == "vllm" else None)
     rows: list[dict[str, object]] = []
