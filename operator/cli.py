@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
+import threading
+
+from llumnix_operator.http_endpoint import OperatorEndpoint
+from llumnix_operator.logs import configure_operator_logging
+from llumnix_operator.metrics import OPERATOR_METRICS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        metavar="PORT",
+        help="serve /metrics (Prometheus) and /readyz on this port (0: do not serve; default %(default)s)",
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="JSON logs on stderr",
+    )
 
 
 def _current_namespace() -> str:
@@ -61,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_operator_logging(args.log_level)
     handlers = importlib.import_module("llumnix_operator.handlers")  # registers the handlers with kopf
     kubernetes = importlib.import_module("kubernetes")
     try:
@@ -73,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     namespaces = args.namespace or ([] if args.all_namespaces else [_current_namespace()])
+    ready = threading.Event()
+    endpoint = None
+    if args.metrics_port:
+        endpoint = OperatorEndpoint(args.metrics_host, args.metrics_port, OPERATOR_METRICS, ready)
+        endpoint.start()
     try:
         kopf.run(
             clusterwide=args.all_namespaces,
@@ -81,8 +103,12 @@ def run(args: argparse.Namespace) -> int:
             peering_name=args.peering,
             priority=args.priority,
             liveness_endpoint=args.liveness,
+            ready_flag=ready,
         )
     except kopf.LoginError as exc:
         print(f"llumnix operator: cannot log in to the Kubernetes API: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if endpoint is not None:
+            endpoint.stop()
     return 0

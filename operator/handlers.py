@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import Any
 
 import kopf
@@ -18,6 +19,8 @@ from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.disruption_budget import engine_disruption_budget
 from llumnix_operator.ensure import Ensurer, Outcome
 from llumnix_operator.llumlet_service import llumlets_service
+from llumnix_operator.logs import service_context
+from llumnix_operator.metrics import OPERATOR_METRICS
 from llumnix_operator.naming import owner_reference
 from llumnix_operator.router import router_deployment, router_service
 from llumnix_operator.service_runner import ServiceRunner
@@ -76,10 +79,20 @@ async def reconcile(
         settings = ServiceSettings(name, namespace, validate_spec(dict(spec)))
     except SpecError as exc:
         # The schema let it through; the daemon reports it in the conditions. Retrying cannot help.
+        OPERATOR_METRICS.reconciles.labels("invalid_spec").inc()
         kopf.warn(body, reason="InvalidSpec", message=str(exc))
         return
-    results = await asyncio.to_thread(ensure_owned, settings, dict(body), BuildConfig.from_env())
+    started = time.perf_counter()
+    try:
+        results = await asyncio.to_thread(ensure_owned, settings, dict(body), BuildConfig.from_env())
+    except Exception:
+        OPERATOR_METRICS.reconciles.labels("error").inc()
+        OPERATOR_METRICS.errors.labels("reconcile").inc()
+        raise  # kopf retries with backoff
+    finally:
+        OPERATOR_METRICS.reconcile_seconds.observe(time.perf_counter() - started)
     changed = [f"{what} {outcome.value}" for what, outcome in results if outcome is not Outcome.UNCHANGED]
+    OPERATOR_METRICS.reconciles.labels("changed" if changed else "unchanged").inc()
     if changed:
         logger.info("reconciled: " + ", ".join(changed))
 
@@ -90,6 +103,15 @@ def _post(body: kopf.Body, event: ControlEvent) -> None:
 
 
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, cancellation_timeout=15.0)
-async def control(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    runner = ServiceRunner(body, api_client(), BuildConfig.from_env(), on_event=lambda e: _post(body, e))
-    await runner.run(lambda: bool(stopped))
+async def control(
+    body: kopf.Body, name: str, namespace: str, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    runner = ServiceRunner(
+        body,
+        api_client(),
+        BuildConfig.from_env(),
+        on_event=lambda e: _post(body, e),
+        metrics=OPERATOR_METRICS,
+    )
+    with service_context(namespace, name):  # the control loop's log lines name the LLMService
+        await runner.run(lambda: bool(stopped))

@@ -23,6 +23,7 @@ from llumnix.control.status import ControlEvent
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_pod, engine_pod_template
+from llumnix_operator.metrics import OperatorMetrics
 from llumnix_operator.naming import service_account_name, template_hash
 from llumnix_operator.pod_backend import PodBackend
 from llumnix_operator.status import (
@@ -46,7 +47,10 @@ class ServiceRunner:
         on_event: Callable[[ControlEvent], None],
         clock: Callable[[], float] = time.time,
         load_refresh_s: float = 10.0,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
+        """`metrics`: where this service's figures and events are counted (the operator passes the
+        process's; default: a registry of its own)."""
         self.body = body
         self.api_client = api_client
         self.config = config
@@ -60,10 +64,15 @@ class ServiceRunner:
         self.backend = PodBackend(
             api_client, self._owner(), self._require_settings, lambda s: engine_pod(s, config)
         )
-        self.on_event = on_event
+        self.metrics = metrics or OperatorMetrics()
+        self._forward_event = on_event
         self.loop: ControlLoop | None = None
         self.load_refresh_s = load_refresh_s
         self._last_write = -math.inf
+
+    def on_event(self, event: ControlEvent) -> None:
+        self.metrics.count_event(self.namespace, self.name, event.reason)
+        self._forward_event(event)
 
     @property
     def name(self) -> str:
@@ -96,7 +105,7 @@ class ServiceRunner:
             settings = ServiceSettings(self.name, self.namespace, validate_spec(spec))
         except SpecError as exc:
             self.spec_error = str(exc)
-            logger.warning("invalid spec", extra={"service": self.name, "error": self.spec_error})
+            logger.warning("invalid spec", extra={"error": self.spec_error})
             return
         self.spec_error = None
         self.settings = settings
@@ -231,20 +240,26 @@ class ServiceRunner:
             await self.roll_one()
             await self.publish_autoscaled_count()
         await self.sync_status()
+        valid = self.loop is not None and self.spec_error is None
+        self.metrics.publish(self.namespace, self.name, self.loop.status() if valid else None)
 
     async def run(self, stopped: Callable[[], bool], interval_s: float = 1.0) -> None:
         """Until `stopped()`; the loop runs beside the ticks and is cancelled at the end."""
         loop_task: asyncio.Task[None] | None = None
         try:
             while not stopped():
+                started = time.perf_counter()
                 try:
                     await self.tick()
                 except Exception:  # an API outage or a rejected write: retried next tick, never fatal
-                    logger.exception("operator tick failed; retrying", extra={"service": self.name})
+                    self.metrics.errors.labels("tick").inc()
+                    logger.exception("operator tick failed; retrying")
+                self.metrics.tick_seconds.observe(time.perf_counter() - started)
                 if loop_task is None and self.loop is not None:
                     loop_task = asyncio.create_task(self.loop.run(), name=f"control-loop {self.name}")
                 await asyncio.sleep(interval_s)
         finally:
+            self.metrics.forget(self.namespace, self.name)
             if loop_task is not None:
                 loop_task.cancel()
                 await asyncio.gather(loop_task, return_exceptions=True)

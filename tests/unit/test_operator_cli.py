@@ -34,7 +34,7 @@ def test_operator_flags_reach_kopf(argv: list[str], expected: dict, monkeypatch:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "run", lambda **kw: calls.append(kw))
     monkeypatch.setattr(handlers, "api_client", lambda: None)
-    assert cli.run(parse(*argv)) == 0
+    assert cli.run(parse(*argv, "--metrics-port", "0")) == 0
     assert {k: calls[0][k] for k in expected} == expected
 
 

@@ -53,6 +53,11 @@ async def test_one_stale_pod_is_drained_at_a_time() -> None:
     assert await r.roll_one() == "b"
     assert list(loop.draining) == ["b"]
     assert [(e.reason, e.instance_id) for e in events] == [("RollingUpdate", "b")]
+    counted = r.metrics.registry.get_sample_value(
+        "llumnix_operator_scaling_events_total",
+        {"llmservice_namespace": "default", "llmservice": "llama", "direction": "replace",
+         "reason": "RollingUpdate"})
+    assert counted == 1.0
     assert await r.roll_one() is None  # b still draining: c waits
     del loop.draining["b"]
     loop.instances["d"] = info("d", current, InstancePhase.STARTING)
