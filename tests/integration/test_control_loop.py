@@ -1,13 +1,14 @@
 """The control loop over real local processes (sim engines + llumlets) with the router in front, in
 real time: the llumnix dispatch policy against round-robin on 16 instances, autoscaling up and back
-down with every request completed, replacement of a killed instance, and the admin API's drain and
-migrate."""
+down with every request completed, replacement of a killed instance, the admin API's drain and
+migrate, and the migration rule under a burst."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,10 @@ import pytest_asyncio
 import yaml
 
 from llumnix.bench import BenchConfig, run_bench
+from llumnix.control import migration_pass
 from llumnix.control.status import ControlEvent
+from llumnix.load import InstanceLoad, freeness
+from llumnix.policies.migration import MigrationPair, pair_migrations
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router
 from llumnix.traces import generate_trace
@@ -165,3 +169,37 @@ async def test_admin_api_drains_an_instance_and_migrates_a_request(start_service
         await wait_for(lambda: destination not in service.loop.instances and service.serving(), 60,
                        "the drained instance released and replaced")
     assert service.loop.releases == 1
+
+
+async def test_migrations_under_a_burst_keep_their_destinations_free(start_service: StartService,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed migration rule at work on real load snapshots: under a bursty load the loop pairs a
+    source only with destinations at or above the destination floor (what the llumlet's `admits` then
+    checks with the request added); instances between the source threshold and the floor, which the
+    old rule would have filled, are skipped; migrations to free instances are made and committed."""
+    passes: list[tuple[list[InstanceLoad], list[MigrationPair], list[MigrationPair]]] = []
+
+    def recording(loads, config, model):  # the real policy, with its inputs and answer kept
+        pairs = pair_migrations(loads, config, model)
+        old = replace(config, destination_freeness=config.freeness_threshold)  # floor = threshold
+        old_rule = pair_migrations(loads, old, model)
+        passes.append((list(loads), pairs, old_rule))
+        return pairs
+
+    monkeypatch.setattr(migration_pass, "pair_migrations", recording)
+    service = await start_service(manifest("burst", 4, SMALL_ENGINE,
+                                           migration={"enabled": True, "intervalMs": 100}))
+    trace = generate_trace("L-L", num_requests=80, rate=6.0, cv=3.0, seed=3, max_total_tokens=600)
+    result = await run_bench(BenchConfig(url=service.router.url, model=MODEL, show_progress=False), trace)
+    summary = result.summary()
+    assert summary["errors"] == 0 and summary["finished"] == 80, result.errors_by_kind
+    config = service.settings.migration
+    floor = config.destination_freeness
+    skipped = 0
+    for loads, pairs, old_rule in passes:
+        by_id = {load.instance_id: load for load in loads}
+        for pair in pairs:
+            assert freeness(by_id[pair.destination]) >= floor, (pair, by_id[pair.destination])
+        skipped += sum(1 for pair in old_rule if freeness(by_id[pair.destination]) < floor)
+    assert skipped > 0, "the burst never met a destination between the threshold and the floor"
+    assert service.loop.status().migrations.get("committed", 0) > 0, service.loop.status().migrations
