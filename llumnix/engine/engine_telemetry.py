@@ -127,7 +127,7 @@ def write_engine_handshake(
     path_setting: str | None,
     snapshot_addr: str | None,
     kv_address: str | None,
-    kv_transport: str | None,
+    kv_channels: list[str] | None,
 ) -> None:
     """Write the handshake record to `path_setting`, else $LLUMNIX_HANDSHAKE_PATH, else next to an
     ipc snapshot socket; nowhere when none of them applies."""
@@ -146,7 +146,7 @@ def write_engine_handshake(
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
         kv_address=kv_address,
-        kv_transport=kv_transport,
+        kv_channels=kv_channels,
     )
     write_handshake(path, record)
     logger.info("llumnix connector: handshake record in %s", path)

@@ -47,10 +47,11 @@ def handshake_record(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     kv_address: str | None = None,
-    kv_transport: str | None = None,
+    kv_channels: list[str] | None = None,
 ) -> dict[str, object]:
-    """`kv_address`/`kv_transport`: where peers send migration stages to this engine (not compared:
-    every engine has its own)."""
+    """`kv_address`: where peers send migration stages to this engine; `kv_channels`: the KV channels
+    it receives and sends on ("tcp", "gloo", "nccl"; negotiated per migration). Not compared: every
+    engine has its own."""
     # Per-layer shapes differ between tensor-parallel ranks only by the head split, which the
     # parallel sizes already pin down, so rank 0's layout stands for the engine.
     kv_layout = layout.to_record()
@@ -68,7 +69,7 @@ def handshake_record(
         "pipeline_parallel_size": pipeline_parallel_size,
         "pid": os.getpid(),
         "kv_address": kv_address,
-        "kv_transport": kv_transport,
+        "kv_channels": kv_channels,
     }
 
 

@@ -30,6 +30,7 @@ from llumnix.engine.engine_channel import control_address, events_address
 from llumnix.engine.engine_telemetry import LoadTelemetry, write_engine_handshake
 from llumnix.engine.kv_connector_scheduler import ConnectorScheduler, LlumnixConnectorMetadata
 from llumnix.engine.kv_connector_worker import ConnectorWorker
+from llumnix.engine.kv_transport_pair import ChannelRendezvous
 from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 
 if TYPE_CHECKING:
@@ -77,8 +78,15 @@ class LlumnixConnector(KVConnectorBase_V1):
         )
         logger.info("llumnix connector: publishing snapshots on %s as %s",
                     self._snapshot_addr, self._engine_id)
+        rendezvous = ChannelRendezvous(self._kv_host(), lease_s=float(extra("staging_lease_s", 60.0)),
+                                       timeout_s=float(extra("kv_send_timeout_s", 10.0)))
         return ConnectorScheduler(self._block_size, telemetry,
-                                  self._channel_address(control_address, "control_addr"))
+                                  self._channel_address(control_address, "control_addr"), rendezvous)
+
+    def _kv_host(self) -> str:
+        """Where this engine receives KV (and opens its pair channels' stores)."""
+        configured = self._kv_transfer_config.get_from_extra_config("kv_host", None)
+        return configured or os.environ.get(KV_HOST_ENV) or "127.0.0.1"
 
     def _channel_address(self, derive: Callable[[str, str | None], str], key: str) -> str | None:
         """The migration channel's address (explicit, else next to an ipc snapshot socket); None, with a
@@ -151,8 +159,7 @@ class LlumnixConnector(KVConnectorBase_V1):
         if events_addr is not None:
             worker.start_migration(
                 events_addr,
-                transport=extra("kv_transport", "tcp"),
-                host=extra("kv_host", None) or os.environ.get(KV_HOST_ENV) or "127.0.0.1",
+                host=self._kv_host(),
                 port=int(extra("kv_port", 0)),
                 send_timeout_s=float(extra("kv_send_timeout_s", 10.0)),
                 staging_lease_s=float(extra("staging_lease_s", 60.0)),
@@ -160,7 +167,7 @@ class LlumnixConnector(KVConnectorBase_V1):
         write_engine_handshake(
             self._vllm_config, self._engine_id, layout,
             path_setting=extra("handshake_path", None), snapshot_addr=self._snapshot_addr,
-            kv_address=worker.kv_address, kv_transport=worker.kv_transport,
+            kv_address=worker.kv_address, kv_channels=worker.kv_channels,
         )
 
     def _worker_meta(self) -> LlumnixConnectorMetadata | None:

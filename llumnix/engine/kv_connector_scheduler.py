@@ -18,6 +18,7 @@ from vllm.logger import init_logger
 
 from llumnix.engine.engine_channel import EngineCommandServer
 from llumnix.engine.kv_migration_plan import ExportItem, LoadItem, MigrationPlan
+from llumnix.engine.kv_transport_pair import ChannelRendezvous
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -53,14 +54,18 @@ class LlumnixConnectorMetadata(KVConnectorMetadata):
 
 class ConnectorScheduler:
     """`telemetry`: where each step's load goes (None: not published). `command_address`: where the
-    llumlet's migration commands arrive (None: the engine serves without migration)."""
+    llumlet's migration commands arrive (None: the engine serves without migration). `rendezvous`
+    opens the pair channels the llumlet asks for as a destination (OpenChannel)."""
 
-    def __init__(self, block_size: int, telemetry: LoadTelemetry | None, command_address: str | None) -> None:
+    def __init__(self, block_size: int, telemetry: LoadTelemetry | None, command_address: str | None,
+                 rendezvous: ChannelRendezvous | None = None) -> None:
         self._requests: dict[str, tuple[str, Request]] = {}  # engine request id -> (llumlet id, request)
         self._telemetry = telemetry
         self._manager: KVCacheManager | None = None
         self._drops: collections.deque[str] = collections.deque()  # DropStaging, for the worker
-        self._plan = MigrationPlan(block_size, self._drops.append)
+        self._rendezvous = rendezvous
+        self._plan = MigrationPlan(block_size, self._drops.append,
+                                   rendezvous.open if rendezvous is not None else None)
         self._pending_exports: list[ExportItem] = []
         self._pending_loads: dict[str, LoadItem] = {}  # engine request id -> load, until scheduled
         self._loaded: set[str] = set()  # engine request ids whose staging was already used
@@ -145,6 +150,8 @@ class ConnectorScheduler:
         if self._commands is not None:
             self._commands.close()
             self._commands = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         if self._telemetry is not None:
             self._telemetry.close()
             self._telemetry = None

@@ -29,6 +29,7 @@ class ConnectorWorker:
     def __init__(self, block_size: int) -> None:
         self._block_size = block_size
         self._copier: KVBlockCopier | None = None
+        self._device: torch.device | None = None
         self._events: MigrationEventPublisher | None = None
         self._sender: StageSender | None = None
         self._staging: StagingService | None = None
@@ -37,28 +38,30 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
         self._copier = KVBlockCopier(kv_caches, num_blocks)
+        self._device = next(iter(kv_caches.values())).device
         layout = self._copier.layout
         logger.info("llumnix connector: %d KV layers, page %s %s, %d blocks x %d kernel blocks",
                     len(layout.layer_names), layout.page_shape, layout.dtype, layout.num_blocks,
                     layout.kernel_blocks_per_block)
         return layout
 
-    def start_migration(self, events_addr: str, transport: str, host: str, port: int,
-                        send_timeout_s: float, staging_lease_s: float) -> None:
-        """Publish events on `events_addr`, send stages, and receive stages on `transport` at host:port."""
+    def start_migration(self, events_addr: str, host: str, port: int, send_timeout_s: float,
+                        staging_lease_s: float) -> None:
+        """Publish events on `events_addr`, send stages, and receive stages (every channel) at host:port."""
         assert self._copier is not None
         self._events = MigrationEventPublisher(events_addr)
         layout = self._copier.layout
         self._sender = StageSender(layout.bytes_per_block, layout.dtype, self._events.publish,
-                                   timeout_s=send_timeout_s)
+                                   timeout_s=send_timeout_s, idle_s=staging_lease_s)
         self._staging = StagingService(
-            transport=transport,
             host=host,
             port=port,
             bytes_per_block=layout.bytes_per_block,
             dtype=layout.dtype,
             lease_s=staging_lease_s,
             publish=self._events.publish,
+            device=self._device,
+            timeout_s=send_timeout_s,
         )
         self._staging.start()
         logger.info("llumnix connector: migration events on %s, KV receiver on %s",
@@ -70,8 +73,9 @@ class ConnectorWorker:
         return self._staging.address if self._staging else None
 
     @property
-    def kv_transport(self) -> str | None:
-        return self._staging.transport if self._staging else None
+    def kv_channels(self) -> list[str] | None:
+        """The KV channels this engine receives and sends on; None without migration."""
+        return self._staging.channels if self._staging else None
 
     def start_load(self, drops: Iterable[str], loads: Iterable[LoadItem]) -> None:
         if self._staging is None:

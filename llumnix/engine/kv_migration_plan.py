@@ -13,7 +13,14 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from llumnix.v1.kv_transfer_pb2 import EngineCommand, EngineCommandReply
+from llumnix.v1.kv_transfer_pb2 import (
+    EngineCommand,
+    EngineCommandReply,
+    ExportFinal,
+    ExportStage,
+    KVChannel,
+    OpenChannel,
+)
 
 OK = EngineCommandReply(ok=True)
 
@@ -22,6 +29,9 @@ OK = EngineCommandReply(ok=True)
 class Destination:
     kv_address: str
     transport: str
+    channel: KVChannel | None = dataclasses.field(default=None, compare=False)
+    """A pair channel's rendezvous (gloo, nccl); its id tells destinations apart."""
+    channel_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +78,14 @@ class _StageRequest:
     request_id: str
 
 
-def _destination(command: object) -> Destination:
-    return Destination(
-        kv_address=command.kv_address,  # type: ignore[attr-defined]
-        transport=command.transport or "tcp",  # type: ignore[attr-defined]
-    )
+def _destination(command: ExportStage | ExportFinal) -> Destination:
+    transport = command.transport or "tcp"
+    if transport == "tcp":
+        return Destination(kv_address=command.kv_address, transport=transport)
+    channel = KVChannel()
+    channel.CopyFrom(command.channel)
+    return Destination(kv_address=command.kv_address, transport=transport, channel=channel,
+                       channel_id=channel.channel_id)
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -80,9 +93,11 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 class MigrationPlan:
-    def __init__(self, block_size: int, on_drop: Callable[[str], None]) -> None:
+    def __init__(self, block_size: int, on_drop: Callable[[str], None],
+                 open_channel: Callable[[OpenChannel], KVChannel] | None = None) -> None:
         self.block_size = block_size
         self._on_drop = on_drop  # forwards DropStaging to the worker side
+        self._open_channel = open_channel  # OpenChannel: the destination's pair channel rendezvous
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}  # llumlet id -> engine request id, requests running here
         self._exports: dict[str, _Export] = {}  # migration id -> progress
@@ -159,6 +174,8 @@ class MigrationPlan:
             body = getattr(command, kind)
             if not body.migration_id or not body.kv_address:
                 return EngineCommandReply(ok=False, error=f"{kind} needs migration_id and kv_address")
+            if body.transport not in ("", "tcp") and body.channel.backend != body.transport:
+                return EngineCommandReply(ok=False, error=f"{kind} over {body.transport} needs its channel")
             with self._lock:
                 if body.request_id not in self._live:
                     return EngineCommandReply(ok=False, error=f"unknown request {body.request_id!r}")
@@ -183,4 +200,8 @@ class MigrationPlan:
         if kind == "drop_staging":
             self._on_drop(command.drop_staging.migration_id)
             return OK
+        if kind == "open_channel":
+            if self._open_channel is None:
+                return EngineCommandReply(ok=False, error="this engine opens no pair channels")
+            return EngineCommandReply(ok=True, channel=self._open_channel(command.open_channel))
         return EngineCommandReply(ok=False, error="empty engine command")

@@ -17,7 +17,7 @@ import torch
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
 from llumnix.engine.kv_staging import StagedKV, StagingStore
 from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVReceiver, KVSender
-from llumnix.engine.kv_transport_factory import make_receiver, make_sender
+from llumnix.engine.kv_transport_factory import available_channels, make_receiver, make_sender
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
     MIGRATION_EVENT_KIND_STAGE_RECEIVED,
@@ -34,44 +34,70 @@ _Work = tuple[ExportItem, torch.Tensor, Any, float]
 
 
 def transfer_payload(buffer: torch.Tensor, transport: str) -> Any:
-    """What a sender of `transport` takes: the buffer's bytes without a copy (a memoryview of the CPU
-    tensor for TCP; the device tensor itself, flat uint8, for NCCL)."""
+    """What a sender of `transport` takes: the buffer's bytes, flat uint8 (a memoryview of the CPU
+    tensor for tcp, the CPU tensor for gloo, the device tensor for nccl; no copy on the engine's
+    device)."""
     flat = buffer.contiguous().view(torch.uint8).reshape(-1)
     if transport == "nccl":
         return flat
+    if transport == "gloo":
+        return flat.cpu()
     return memoryview(flat.cpu().numpy())
 
 
 class StageSender:
-    """One sender thread per destination engine, so a slow peer never delays the engine or another
-    destination; stages of one migration go out in order on one connection."""
+    """One sender thread per destination engine for tcp, per migration for a pair channel (each has its
+    own), so a slow peer never delays the engine or another destination; stages of one migration go
+    out in order on one connection. A pair channel's lane ends after the migration's final stage, or
+    after `idle_s` without a stage (a cancelled migration), closing its pair."""
 
-    def __init__(self, bytes_per_block: int, dtype: str, publish: PublishEvent, timeout_s: float) -> None:
+    def __init__(self, bytes_per_block: int, dtype: str, publish: PublishEvent, timeout_s: float,
+                 idle_s: float = 60.0) -> None:
         self._bytes_per_block = bytes_per_block
         self._dtype = dtype
         self._publish = publish
         self._timeout_s = timeout_s
-        self._lanes: dict[Destination, queue.SimpleQueue[_Work | None]] = {}
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._lanes: dict[Destination, queue.Queue[_Work | None]] = {}
         self._threads: list[threading.Thread] = []
 
     def submit(self, item: ExportItem, buffer: torch.Tensor, copy_ms: float) -> None:
-        lane = self._lanes.get(item.destination)
-        if lane is None:
-            lane = self._lanes[item.destination] = queue.SimpleQueue()
-            thread = threading.Thread(target=self._run, args=(item.destination, lane),
-                                      name="llumnix-kv-send", daemon=True)
-            thread.start()
-            self._threads.append(thread)
         # A device copy is queued on the engine's stream: the sender thread waits for this event.
         ready = None
         if buffer.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        lane.put((item, buffer, ready, copy_ms))
+        destination = item.destination
+        with self._lock:
+            lane = self._lanes.get(destination)
+            if lane is None:
+                lane = self._lanes[destination] = queue.Queue()
+                thread = threading.Thread(target=self._run, args=(destination, lane),
+                                          name="llumnix-kv-send", daemon=True)
+                thread.start()
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            lane.put((item, buffer, ready, copy_ms))
+            if item.final and destination.channel is not None:
+                lane.put(None)
+                del self._lanes[destination]
 
-    def _run(self, destination: Destination, lane: queue.SimpleQueue) -> None:
+    def _next(self, destination: Destination, lane: queue.Queue[_Work | None]) -> _Work | None:
+        if destination.channel is None:
+            return lane.get()
+        while True:
+            try:
+                return lane.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if lane.empty():
+                        if self._lanes.get(destination) is lane:
+                            del self._lanes[destination]
+                        return None
+
+    def _run(self, destination: Destination, lane: queue.Queue[_Work | None]) -> None:
         sender: KVSender | None = None
-        while (work := lane.get()) is not None:
+        while (work := self._next(destination, lane)) is not None:
             item, buffer, ready, copy_ms = work
             started = time.perf_counter()
             error = ""
@@ -80,7 +106,7 @@ class StageSender:
                     ready.synchronize()
                 if sender is None:
                     sender = make_sender(destination.transport, destination.kv_address,
-                                         timeout_s=self._timeout_s)
+                                         timeout_s=self._timeout_s, channel=destination.channel)
                 payload = transfer_payload(buffer, destination.transport)
                 sender.send(self._header(item), payload)
             except Exception as exc:  # every failure becomes a STAGE_FAILED event for the llumlet
@@ -106,7 +132,9 @@ class StageSender:
         )
 
     def close(self) -> None:
-        for lane in self._lanes.values():
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
             lane.put(None)
         for thread in self._threads:
             thread.join(timeout=self._timeout_s)
@@ -117,13 +145,13 @@ class StagingService:
     DropStaging, or when its lease runs out (checked every engine step and by a reaper thread, so an
     idle engine frees it too)."""
 
-    def __init__(self, transport: str, host: str, port: int, bytes_per_block: int, dtype: str,
-                 lease_s: float, publish: PublishEvent) -> None:
+    def __init__(self, host: str, port: int, bytes_per_block: int, dtype: str, lease_s: float,
+                 publish: PublishEvent, device: Any = None, timeout_s: float = 10.0) -> None:
         self.store = StagingStore(bytes_per_block, dtype, lease_s)
         self._publish = publish
-        self.receiver: KVReceiver = make_receiver(transport, host=host, port=port, staging=self.store,
-                                                  on_stage=self._received)
-        self.transport = transport
+        self.receiver: KVReceiver = make_receiver(host=host, port=port, staging=self.store,
+                                                  on_stage=self._received, device=device, timeout_s=timeout_s)
+        self.channels = available_channels(device)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="llumnix-staging-lease", daemon=True)
 

@@ -5,9 +5,9 @@ until the migrated request is loaded.
 
 Frame (proto/llumnix/v1/kv_transfer.proto): a 4-byte big-endian length, the serialized header, then
 header.payload_bytes raw bytes; the answer is a length-prefixed `KVStageAck`. Nothing is pickled.
-The TCP transport sends whole frames (llumnix/engine/kv_transport_tcp.py); the NCCL one sends headers
-and acks this way and payloads over NCCL (llumnix/engine/kv_transport_nccl.py);
-llumnix/engine/kv_transport_factory.py picks one by name.
+The TCP transport sends whole frames (llumnix/engine/kv_transport_tcp.py); the pair channels (gloo,
+nccl: llumnix/engine/kv_transport_pair.py) send headers and acks this way and payloads over a two-rank
+channel the destination opened; llumnix/engine/kv_transport_factory.py picks one by name.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The TCP KV transport: whole frames (header, then payload) over one connection per source ->
-destination engine pair, each acknowledged."""
+destination engine pair, each acknowledged. `TcpKVReceiver` is also the accept loop of the pair
+channels' receiver (llumnix/engine/kv_transport_pair.py), which serves their connections itself."""
 
 from __future__ import annotations
 
@@ -138,24 +139,7 @@ class TcpKVReceiver(KVReceiver):
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            while not self._stop.is_set():
-                header = KVStageHeader.FromString(recv_message(conn))
-                try:
-                    self.staging.check_layout(header)
-                except ValueError as exc:
-                    # Read past the refused payload so the sender gets the refusal, not a reset; a
-                    # payload too big to skip ends the connection instead.
-                    if header.payload_bytes > _MAX_SKIP:
-                        conn.sendall(encode_message(self._ack(header, str(exc))))
-                        return
-                    _skip(conn, header.payload_bytes)
-                    conn.sendall(encode_message(self._ack(header, str(exc))))
-                    continue
-                payload = recv_exact(conn, header.payload_bytes)
-                self.staging.put(header, payload)
-                if self._on_stage is not None:
-                    self._on_stage(header)
-                conn.sendall(encode_message(self._ack(header)))
+            self._serve_connection(conn, KVStageHeader.FromString(recv_message(conn)))
         except (OSError, ConnectionError):
             return
         finally:
@@ -163,6 +147,38 @@ class TcpKVReceiver(KVReceiver):
                 self._connections.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
+
+    def _serve_connection(self, conn: socket.socket, header: KVStageHeader) -> None:
+        """Serves a connection from its first header on; here every frame carries its payload."""
+        if header.HasField("channel"):
+            conn.sendall(encode_message(self._ack(
+                header, f"this receiver takes KV over tcp only, not {header.channel.backend}")))
+            return
+        while self._stage_frame(conn, header) and not self._stop.is_set():
+            header = KVStageHeader.FromString(recv_message(conn))
+
+    def _stage_frame(self, conn: socket.socket, header: KVStageHeader) -> bool:
+        """Reads the payload after `header`, stages and acknowledges it; False: the connection ends."""
+        try:
+            self.staging.check_layout(header)
+        except ValueError as exc:
+            # Read past the refused payload so the sender gets the refusal, not a reset; a payload too
+            # big to skip ends the connection instead.
+            if header.payload_bytes > _MAX_SKIP:
+                conn.sendall(encode_message(self._ack(header, str(exc))))
+                return False
+            _skip(conn, header.payload_bytes)
+            conn.sendall(encode_message(self._ack(header, str(exc))))
+            return True
+        payload = recv_exact(conn, header.payload_bytes)
+        self._store(header, payload)
+        conn.sendall(encode_message(self._ack(header)))
+        return True
+
+    def _store(self, header: KVStageHeader, payload: Any) -> None:
+        self.staging.put(header, payload)
+        if self._on_stage is not None:
+            self._on_stage(header)
 
     @staticmethod
     def _ack(header: KVStageHeader, error: str = "") -> KVStageAck:

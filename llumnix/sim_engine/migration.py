@@ -71,7 +71,7 @@ class SimMigrationAgent:
         self.model = model
         self.bytes_per_block = kv_bytes_per_block
         self.staging = StagingStore(kv_bytes_per_block, SIM_KV_DTYPE)
-        self.receiver = make_receiver("tcp", host=host, staging=self.staging, on_stage=self._received)
+        self.receiver = make_receiver(host=host, staging=self.staging, on_stage=self._received)
         self.events = MigrationEventPublisher(events_address(snapshot_addr))
         self._control_addr = control_address(snapshot_addr)
         self._commands: EngineCommandServer | None = None
@@ -102,7 +102,7 @@ class SimMigrationAgent:
             "pipeline_parallel_size": 1,
             "pid": os.getpid(),
             "kv_address": self.receiver.address,
-            "kv_transport": "tcp",
+            "kv_channels": ["tcp"],
         }
 
     def close(self) -> None:

@@ -22,28 +22,32 @@ MIGRATION_EVENT_KIND_LOADED: MigrationEventKind
 MIGRATION_EVENT_KIND_LOAD_FAILED: MigrationEventKind
 
 class ExportStage(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+    channel: KVChannel
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class ExportFinal(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+    channel: KVChannel
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class CancelExport(_message.Message):
     __slots__ = ("migration_id",)
@@ -57,27 +61,51 @@ class DropStaging(_message.Message):
     migration_id: str
     def __init__(self, migration_id: _Optional[str] = ...) -> None: ...
 
+class OpenChannel(_message.Message):
+    __slots__ = ("backend", "migration_id")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    migration_id: str
+    def __init__(self, backend: _Optional[str] = ..., migration_id: _Optional[str] = ...) -> None: ...
+
+class KVChannel(_message.Message):
+    __slots__ = ("backend", "channel_id", "nccl_unique_id", "store_address")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    channel_id: str
+    nccl_unique_id: bytes
+    store_address: str
+    def __init__(self, backend: _Optional[str] = ..., channel_id: _Optional[str] = ..., nccl_unique_id: _Optional[bytes] = ..., store_address: _Optional[str] = ...) -> None: ...
+
 class EngineCommand(_message.Message):
-    __slots__ = ("schema_version", "export_stage", "export_final", "cancel_export", "drop_staging")
+    __slots__ = ("schema_version", "export_stage", "export_final", "cancel_export", "drop_staging", "open_channel")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPORT_STAGE_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FINAL_FIELD_NUMBER: _ClassVar[int]
     CANCEL_EXPORT_FIELD_NUMBER: _ClassVar[int]
     DROP_STAGING_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     export_stage: ExportStage
     export_final: ExportFinal
     cancel_export: CancelExport
     drop_staging: DropStaging
-    def __init__(self, schema_version: _Optional[int] = ..., export_stage: _Optional[_Union[ExportStage, _Mapping]] = ..., export_final: _Optional[_Union[ExportFinal, _Mapping]] = ..., cancel_export: _Optional[_Union[CancelExport, _Mapping]] = ..., drop_staging: _Optional[_Union[DropStaging, _Mapping]] = ...) -> None: ...
+    open_channel: OpenChannel
+    def __init__(self, schema_version: _Optional[int] = ..., export_stage: _Optional[_Union[ExportStage, _Mapping]] = ..., export_final: _Optional[_Union[ExportFinal, _Mapping]] = ..., cancel_export: _Optional[_Union[CancelExport, _Mapping]] = ..., drop_staging: _Optional[_Union[DropStaging, _Mapping]] = ..., open_channel: _Optional[_Union[OpenChannel, _Mapping]] = ...) -> None: ...
 
 class EngineCommandReply(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "channel")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    channel: KVChannel
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class MigrationEvent(_message.Message):
     __slots__ = ("kind", "migration_id", "request_id", "stage", "final", "num_tokens", "blocks", "bytes", "copy_ms", "send_ms", "error", "timestamp")
@@ -108,7 +136,7 @@ class MigrationEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[MigrationEventKind, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., copy_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., error: _Optional[str] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class KVStageHeader(_message.Message):
-    __slots__ = ("schema_version", "migration_id", "stage", "final", "first_block", "num_blocks", "num_tokens", "payload_bytes", "bytes_per_block", "dtype")
+    __slots__ = ("schema_version", "migration_id", "stage", "final", "first_block", "num_blocks", "num_tokens", "payload_bytes", "bytes_per_block", "dtype", "channel")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +147,7 @@ class KVStageHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     migration_id: str
     stage: int
@@ -129,7 +158,8 @@ class KVStageHeader(_message.Message):
     payload_bytes: int
     bytes_per_block: int
     dtype: str
-    def __init__(self, schema_version: _Optional[int] = ..., migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    channel: KVChannel
+    def __init__(self, schema_version: _Optional[int] = ..., migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class KVStageAck(_message.Message):
     __slots__ = ("migration_id", "stage", "ok", "error")

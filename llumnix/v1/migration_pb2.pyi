@@ -1,9 +1,10 @@
+from llumnix.v1 import kv_transfer_pb2 as _kv_transfer_pb2
 from llumnix.v1 import llumlet_pb2 as _llumlet_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -51,7 +52,7 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, destination_instance_id: _Optional[str] = ..., destination_address: _Optional[str] = ..., request_id: _Optional[str] = ..., select: _Optional[_Union[MigrationSelect, str]] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms")
+    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +62,7 @@ class MigrateOutResponse(_message.Message):
     MIGRATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     outcome: MigrationOutcome
     migration_id: str
     request_id: str
@@ -70,10 +72,11 @@ class MigrateOutResponse(_message.Message):
     migrated_tokens: int
     downtime_ms: float
     duration_ms: float
-    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ProposeMigrationRequest(_message.Message):
-    __slots__ = ("migration_id", "source_instance_id", "source_address", "request_id", "endpoint", "body_json", "priority", "prompt_tokens", "output_tokens", "blocks", "handshake_json", "lease_ms")
+    __slots__ = ("migration_id", "source_instance_id", "source_address", "request_id", "endpoint", "body_json", "priority", "prompt_tokens", "output_tokens", "blocks", "handshake_json", "lease_ms", "transport")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +89,7 @@ class ProposeMigrationRequest(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDSHAKE_JSON_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     source_instance_id: str
     source_address: str
@@ -98,21 +102,24 @@ class ProposeMigrationRequest(_message.Message):
     blocks: int
     handshake_json: str
     lease_ms: int
-    def __init__(self, migration_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., request_id: _Optional[str] = ..., endpoint: _Optional[_Union[_llumlet_pb2.Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[_llumlet_pb2.Priority, str]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., handshake_json: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, migration_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., request_id: _Optional[str] = ..., endpoint: _Optional[_Union[_llumlet_pb2.Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[_llumlet_pb2.Priority, str]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., handshake_json: _Optional[str] = ..., lease_ms: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ProposeMigrationResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "kv_address", "transport", "lease_ms")
+    __slots__ = ("accepted", "reason", "kv_address", "transport", "lease_ms", "channel")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     kv_address: str
     transport: str
     lease_ms: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    channel: _kv_transfer_pb2.KVChannel
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., lease_ms: _Optional[int] = ..., channel: _Optional[_Union[_kv_transfer_pb2.KVChannel, _Mapping]] = ...) -> None: ...
 
 class RenewMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "stages", "staged_tokens")

@@ -1,7 +1,8 @@
 """Live migration between two real CPU vLLM engines, driven over the engine channel the way a llumlet
 does (no llumlet here): stages while the request decodes on A, final stage + abort, resume on B with
-prompt + generated tokens. Greedy output must equal the unmigrated run; KV stages zeroed on the way
-(a relay between the engines) must not; a migration whose staging is gone must be recomputed, not
+prompt + generated tokens, over tcp and over a gloo pair channel the destination engine opened.
+Greedy output must equal the unmigrated run; KV stages zeroed on the way (a relay between the
+engines) must not; a migration whose staging is gone must be recomputed, not
 crash or produce garbage.
 """
 
@@ -43,6 +44,7 @@ from llumnix.v1.kv_transfer_pb2 import (
     ExportFinal,
     ExportStage,
     MigrationEvent,
+    OpenChannel,
 )
 
 pytestmark = [
@@ -185,11 +187,19 @@ class Migrated:
     sent: list[MigrationEvent]  # the source's events for the migration, final stage last
 
 
-async def _migrate(source: Engine, destination: Engine, name: str, kv_address: str = "") -> Migrated:
+async def _migrate(source: Engine, destination: Engine, name: str, kv_address: str = "",
+                   transport: str = "tcp") -> Migrated:
     """Two live stages, then the final one, then the resumed request on the destination. The source
-    sends to `kv_address` (default: the destination's KV receiver)."""
-    migration = {"migration_id": name, "request_id": name,
-                 "kv_address": kv_address or destination.kv_address, "transport": "tcp"}
+    sends to `kv_address` (default: the destination's KV receiver) over `transport`; for a pair channel
+    the destination engine opens it first (OpenChannel), as its llumlet does in Propose."""
+    migration: dict[str, Any] = {"migration_id": name, "request_id": name,
+                                 "kv_address": kv_address or destination.kv_address, "transport": transport}
+    if transport != "tcp":
+        opened = await destination.commands.send(EngineCommand(
+            schema_version=1, open_channel=OpenChannel(backend=transport, migration_id=name)))
+        assert opened.ok, opened.error
+        assert opened.channel.backend == transport and opened.channel.channel_id
+        migration["channel"] = opened.channel
 
     sent: list[MigrationEvent] = []
 
@@ -217,7 +227,8 @@ async def _migrate(source: Engine, destination: Engine, name: str, kv_address: s
 
 async def test_handshake_records_carry_the_kv_receivers(engines: tuple[Engine, Engine]) -> None:
     source, destination = engines
-    assert source.kv_address.startswith("tcp://127.0.0.1:") and source.handshake["kv_transport"] == "tcp"
+    assert source.kv_address.startswith("tcp://127.0.0.1:")
+    assert source.handshake["kv_channels"] == destination.handshake["kv_channels"] == ["tcp", "gloo"]
     assert source.kv_address != destination.kv_address
     assert incompatibilities(source.handshake, destination.handshake) == []
 
@@ -244,6 +255,28 @@ async def test_migrated_request_continues_exactly(engines: tuple[Engine, Engine]
     assert loaded.num_tokens == len(PROMPT) + len(generated) - 1
     assert loaded.blocks == -(-loaded.num_tokens // BLOCK_SIZE)
     await source.wait_all_blocks_free()  # the delayed free ended once the final stage was copied
+
+
+async def test_a_migration_over_a_gloo_channel_continues_exactly(engines: tuple[Engine, Engine],
+                                                                reference: list[int]) -> None:
+    """The pair-channel path NCCL takes on GPUs (rendezvous opened by the destination engine, carried
+    in the export commands, payloads point to point), here with gloo between two CPU engines."""
+    source, destination = engines
+    migrated = await _migrate(source, destination, "gloo", transport="gloo")
+    assert migrated.generated + migrated.resumed == reference
+    assert [e.stage for e in migrated.sent] == [1, 2, 3] and all(e.bytes > 0 for e in migrated.sent)
+    loaded = await destination.event(lambda e: e.migration_id == "gloo" and e.kind in (
+        MIGRATION_EVENT_KIND_LOADED, MIGRATION_EVENT_KIND_LOAD_FAILED))
+    assert loaded.kind == MIGRATION_EVENT_KIND_LOADED, loaded.error
+    assert loaded.num_tokens == len(PROMPT) + len(migrated.generated) - 1
+    await source.wait_all_blocks_free()
+
+
+async def test_an_nccl_channel_is_refused_by_an_engine_without_cuda(engines: tuple[Engine, Engine]) -> None:
+    _, destination = engines
+    reply = await destination.commands.send(EngineCommand(
+        schema_version=1, open_channel=OpenChannel(backend="nccl", migration_id="n")))
+    assert not reply.ok and "needs a CUDA GPU" in reply.error
 
 
 async def test_stages_are_incremental(engines: tuple[Engine, Engine], reference: list[int]) -> None:

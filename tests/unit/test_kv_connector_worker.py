@@ -1,18 +1,22 @@
 """The connector's worker-side migration machinery without vLLM: stages copied out of one paged cache
-are sent by the sender thread to a destination's staging service and written into another cache."""
+are sent by the sender thread to a destination's staging service and written into another cache, over
+tcp and over a gloo pair channel (the path NCCL takes on GPUs)."""
 
 import time
 
+import pytest
 import torch
 
 from llumnix.engine.kv_blocks import KVBlockCopier
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
 from llumnix.engine.kv_migration_worker import StageSender, StagingService
+from llumnix.engine.kv_transport_pair import ChannelRendezvous
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
     MIGRATION_EVENT_KIND_STAGE_RECEIVED,
     MIGRATION_EVENT_KIND_STAGE_SENT,
     MigrationEvent,
+    OpenChannel,
 )
 
 
@@ -28,15 +32,34 @@ def _wait(events: list[MigrationEvent], count: int) -> None:
         time.sleep(0.01)
 
 
-def test_stages_travel_from_one_cache_into_another() -> None:
+@pytest.fixture
+def rendezvous():
+    """The destination engine's side of OpenChannel (it keeps a gloo channel's store serving)."""
+    opened = ChannelRendezvous("127.0.0.1", lease_s=60, timeout_s=5)
+    yield opened
+    opened.close()
+
+
+def _destination(rendezvous: ChannelRendezvous, address: str, transport: str) -> Destination:
+    """Where stages go; a pair channel's rendezvous is opened the way the destination engine does it."""
+    if transport == "tcp":
+        return Destination(address, "tcp")
+    channel = rendezvous.open(OpenChannel(backend=transport, migration_id="m"))
+    return Destination(address, transport, channel, channel.channel_id)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_stages_travel_from_one_cache_into_another(rendezvous, transport: str) -> None:
     source = KVBlockCopier(_cache(1), 16)
     target = KVBlockCopier(_cache(2), 16)
     layout = source.layout
     events: list[MigrationEvent] = []
-    staging = StagingService("tcp", "127.0.0.1", 0, layout.bytes_per_block, layout.dtype, 60, events.append)
+    staging = StagingService("127.0.0.1", 0, layout.bytes_per_block, layout.dtype, 60, events.append,
+                             device=torch.device("cpu"))
     staging.start()
+    assert staging.channels == ["tcp", "gloo"]
     sender = StageSender(layout.bytes_per_block, layout.dtype, events.append, timeout_s=5)
-    destination = Destination(staging.address, "tcp")
+    destination = _destination(rendezvous, staging.address, transport)
     request_blocks = (3, 7, 9)
     try:
         for stage, first, blocks, tokens, final in ((1, 0, (3, 7), 6, False), (2, 1, (7, 9), 10, True)):
@@ -54,7 +77,9 @@ def test_stages_travel_from_one_cache_into_another() -> None:
     staged = staging.take("m")
     staging.close()
     assert staged is not None and staged.num_tokens == 10
-    buffer = torch.frombuffer(staged.blocks(0, 3), dtype=torch.uint8).view(torch.float32)
+    raw = staged.blocks(0, 3)  # bytes over tcp, a CPU tensor over gloo
+    flat = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
+    buffer = flat.view(torch.float32)
     destination_blocks = [12, 0, 5]
     target.copy_in_block_major(destination_blocks, buffer.reshape(target.block_major_shape(3)))
     assert torch.equal(target.copy_out(destination_blocks), source.copy_out(request_blocks))
@@ -73,7 +98,7 @@ def test_a_dead_destination_becomes_a_stage_failed_event() -> None:
 
 def test_staging_leases_expire_without_engine_steps() -> None:
     events: list[MigrationEvent] = []
-    staging = StagingService("tcp", "127.0.0.1", 0, 64, "float32", 0.2, events.append)
+    staging = StagingService("127.0.0.1", 0, 64, "float32", 0.2, events.append)
     staging.start()
     try:
         from llumnix.v1.kv_transfer_pb2 import KVStageHeader
@@ -103,7 +128,8 @@ def test_block_major_buffers_hold_each_block_contiguously() -> None:
     assert torch.equal(target.copy_out([1, 3]), copier.copy_out([2, 0]))
 
 
-def test_connector_workers_move_a_final_stage_and_load_it(tmp_path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_connector_workers_move_a_final_stage_and_load_it(tmp_path, rendezvous, transport: str) -> None:
     import zmq
 
     from llumnix.engine.kv_connector_worker import ConnectorWorker
@@ -118,12 +144,13 @@ def test_connector_workers_move_a_final_stage_and_load_it(tmp_path) -> None:
     pull = zmq.Context.instance().socket(zmq.PULL)
     try:
         for name, worker in (("source", source), ("target", target)):
-            worker.start_migration(f"ipc://{tmp_path}/{name}-events", "tcp", "127.0.0.1", 0,
+            worker.start_migration(f"ipc://{tmp_path}/{name}-events", "127.0.0.1", 0,
                                    send_timeout_s=5, staging_lease_s=60)
             pull.connect(f"ipc://{tmp_path}/{name}-events")
-        assert source.kv_transport == "tcp" and target.kv_address.startswith("tcp://127.0.0.1:")
+        assert source.kv_channels == ["tcp", "gloo"] and target.kv_address.startswith("tcp://127.0.0.1:")
 
-        final = ExportItem("m", "r", "engine-r", 1, True, 0, (3, 7), 6, Destination(target.kv_address, "tcp"))
+        destination = _destination(rendezvous, target.kv_address, transport)
+        final = ExportItem("m", "r", "engine-r", 1, True, 0, (3, 7), 6, destination)
         source.copy_exports([final], final=False)  # live stages only: the final one waits
         assert source.take_finished_sending() == set()
         source.copy_exports([final], final=True)

@@ -1,11 +1,14 @@
 """The engine <-> engine KV data plane over real TCP sockets and threads: frames round-trip into staging,
-re-sent tail blocks overwrite, layout mismatches are refused, leases expire, senders reconnect."""
+re-sent tail blocks overwrite, layout mismatches are refused, leases expire, senders reconnect; gloo
+pair channels (real torch.distributed point-to-point) through the rendezvous a destination opens, the
+code path NCCL takes on GPUs."""
 
 import socket
 import threading
 import time
 
 import pytest
+import torch
 
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
@@ -17,9 +20,10 @@ from llumnix.engine.kv_transport import (
     read_frame,
     write_frame,
 )
-from llumnix.engine.kv_transport_factory import make_receiver, make_sender
+from llumnix.engine.kv_transport_factory import available_channels, make_receiver, make_sender
+from llumnix.engine.kv_transport_pair import ChannelRendezvous, KVStageReceiver, PairKVSender
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver, TcpKVSender
-from llumnix.v1.kv_transfer_pb2 import KVStageAck, KVStageHeader
+from llumnix.v1.kv_transfer_pb2 import KVChannel, KVStageAck, KVStageHeader, OpenChannel
 
 BLOCK = 64  # bytes per block in these tests
 
@@ -187,37 +191,135 @@ def test_a_dead_destination_fails_within_the_timeout() -> None:
 
 def test_factories_choose_the_transport() -> None:
     staging = StagingStore(BLOCK, "float32")
-    receiver = make_receiver("tcp", host="127.0.0.1", staging=staging)
-    assert isinstance(receiver, TcpKVReceiver)
+    receiver = make_receiver(host="127.0.0.1", staging=staging)
+    assert isinstance(receiver, KVStageReceiver)
     receiver.close()
     assert isinstance(make_sender("", "tcp://127.0.0.1:1"), TcpKVSender)
+    gloo = KVChannel(backend="gloo", channel_id="c", store_address="127.0.0.1:1")
+    assert isinstance(make_sender("gloo", "tcp://127.0.0.1:1", channel=gloo), PairKVSender)
     with pytest.raises(ValueError, match="unknown KV transport 'rdma'"):
         make_sender("rdma", "x")
+    with pytest.raises(ValueError, match="a gloo sender needs the gloo channel the destination opened"):
+        make_sender("gloo", "tcp://127.0.0.1:1")
 
 
-def test_nccl_refuses_clearly_without_cuda() -> None:
-    import torch
+def test_an_engine_offers_tcp_gloo_and_nccl_on_cuda_only() -> None:
+    assert available_channels("cpu") == ["tcp", "gloo"]
+    assert available_channels(torch.device("cpu")) == ["tcp", "gloo"]
+    assert available_channels(torch.device("cuda", 0)) == ["tcp", "gloo", "nccl"]
 
+
+@pytest.fixture
+def rendezvous():
+    opened = ChannelRendezvous("127.0.0.1", lease_s=60, timeout_s=5)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def pair_receiver():
+    staging = StagingStore(BLOCK, "float32")
+    receiver = make_receiver(host="127.0.0.1", staging=staging, timeout_s=5)
+    receiver.start()
+    yield receiver
+    receiver.close()
+
+
+def _tensor(*fills: int) -> torch.Tensor:
+    return torch.tensor(list(_blocks(*fills)), dtype=torch.uint8)
+
+
+def test_gloo_stages_go_over_the_pair_the_destination_opened(rendezvous, pair_receiver) -> None:
+    channel = rendezvous.open(OpenChannel(backend="gloo", migration_id="g"))
+    assert channel.backend == "gloo" and channel.channel_id.startswith("g-")
+    assert channel.store_address.startswith("127.0.0.1:")
+    sender = make_sender("gloo", pair_receiver.address, timeout_s=5, channel=channel)
+    try:
+        assert sender.send(_header("g", 1, 0, 2, 40), _tensor(3, 4)).ok
+        assert sender.send(_header("g", 2, 1, 2, 80), _tensor(5, 6)).ok  # re-sent tail block 1
+        # A refused header sends nothing over the pair, which stays in step for the next stage.
+        with pytest.raises(KVTransportError, match="layout mismatch"):
+            sender.send(_header("g", 3, 0, 1, 1, dtype="float16"), _tensor(0))
+        assert sender.send(_header("g", 4, 3, 0, 80), _tensor()).ok  # an empty stage
+        staged = pair_receiver.staging.take("g")
+        assert staged.num_tokens == 80
+        assert bytes(staged.blocks(0, 3).numpy()) == _blocks(3, 5, 6)
+    finally:
+        sender.close()
+
+
+def test_every_migration_gets_a_channel_of_its_own(rendezvous, pair_receiver) -> None:
+    first = rendezvous.open(OpenChannel(backend="gloo", migration_id="a"))
+    second = rendezvous.open(OpenChannel(backend="gloo", migration_id="b"))
+    assert first.channel_id != second.channel_id and first.store_address != second.store_address
+    senders = [make_sender("gloo", pair_receiver.address, timeout_s=5, channel=c) for c in (first, second)]
+    try:
+        for index, sender in enumerate(senders):
+            assert sender.send(_header(f"m{index}", 1, 0, 1, 10), _tensor(index + 1)).ok
+        assert bytes(pair_receiver.staging.take("m1").blocks(0, 1).numpy()) == _blocks(2)
+    finally:
+        for sender in senders:
+            sender.close()
+
+
+def test_a_closed_pair_is_not_rejoined(rendezvous, pair_receiver) -> None:
+    channel = rendezvous.open(OpenChannel(backend="gloo", migration_id="g"))
+    sender = make_sender("gloo", pair_receiver.address, timeout_s=5, channel=channel)
+    assert sender.send(_header("g", 1, 0, 1, 10), _tensor(1)).ok
+    sender.close()
+    with pytest.raises(KVTransportError, match="is closed"):
+        sender.send(_header("g", 2, 0, 1, 10), _tensor(1))
+
+
+def test_a_receiver_that_takes_tcp_only_refuses_a_pair_channel(rendezvous) -> None:
+    staging = StagingStore(BLOCK, "float32")
+    receiver = TcpKVReceiver("127.0.0.1", staging=staging)
+    receiver.start()
+    channel = rendezvous.open(OpenChannel(backend="gloo", migration_id="g"))
+    sender = make_sender("gloo", receiver.address, timeout_s=5, channel=channel)
+    try:
+        with pytest.raises(KVTransportError, match="takes KV over tcp only, not gloo"):
+            sender.send(_header("g", 1, 0, 1, 10), _tensor(1))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_pair_whose_peer_never_joins_fails_within_the_timeout(pair_receiver) -> None:
+    # A store that nobody serves: joining times out instead of hanging the sender thread.
+    dead = socket.create_server(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    channel = KVChannel(backend="gloo", channel_id="x", store_address=f"127.0.0.1:{port}")
+    sender = make_sender("gloo", pair_receiver.address, timeout_s=1, channel=channel)
+    started = time.monotonic()
+    with pytest.raises(KVTransportError, match=r"gloo channel to .* failed"):
+        sender.send(_header("x", 1, 0, 1, 10), _tensor(1))
+    assert time.monotonic() - started < 30
+    sender.close()
+
+
+def test_nccl_refuses_clearly_without_cuda(rendezvous, pair_receiver) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is present: the refusal path does not apply")
     with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
-        make_sender("nccl", "tcp://127.0.0.1:1")
+        rendezvous.open(OpenChannel(backend="nccl", migration_id="n"))
+    channel = KVChannel(backend="nccl", channel_id="n", nccl_unique_id=bytes(128))
     with pytest.raises(KVTransportError, match="needs a CUDA GPU"):
-        make_receiver("nccl", host="127.0.0.1", staging=StagingStore(BLOCK, "float32"))
+        make_sender("nccl", pair_receiver.address, channel=channel)
 
 
-def test_nccl_stages_land_in_device_staging() -> None:
-    import torch
-
+def test_nccl_stages_land_in_device_staging(rendezvous) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL refuses two ranks of one communicator on one GPU)")
     staging = StagingStore(BLOCK, "float32")
-    receiver = make_receiver("nccl", host="127.0.0.1", staging=staging)
-    receiver.device = torch.device("cuda", 1)
+    receiver = make_receiver(host="127.0.0.1", staging=staging, device=torch.device("cuda", 1))
     receiver.start()
-    sender = make_sender("nccl", receiver.address)
+    channel = rendezvous.open(OpenChannel(backend="nccl", migration_id="g"))
+    assert len(channel.nccl_unique_id) == 128
+    sender = make_sender("nccl", receiver.address, channel=channel)
     try:
         for stage, fill in ((1, 3), (2, 9)):
             payload = torch.full((2 * BLOCK,), fill, dtype=torch.uint8, device="cuda:0")
