@@ -136,10 +136,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "enum": ["last-come", "shortest", "longest"],
                     "default": "last-come",
                 },
-                "transport": {"type": "string", "enum": ["auto", "tcp", "nccl"], "default": "auto",
-                              "description": "KV channel a migration may use: auto takes the destination "
-                                             "engine's (TCP, or NCCL when both engines run it); tcp or "
-                                             "nccl refuse the other kind"},
+                "transport": {"type": "string", "enum": ["auto", "tcp", "gloo", "nccl"], "default": "auto",
+                              "description": "KV channel of migrations, negotiated per migration: auto "
+                                             "takes NCCL when both engines are on CUDA, else TCP; tcp, "
+                                             "gloo or nccl refuse migrations over another"},
                 "maxConcurrentPerInstance": _int(1, 1),
             }
         ),

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from llumlet.admission import Admission, AdmissionError, StreamEvent
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
-from llumlet.migration.engine_link import EngineLink
-from llumlet.migration.rules import channel_refusal, engine_channel, resume_point
+from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
+from llumlet.migration.rules import choose_channel, engine_channels, resume_point
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
 from llumnix.engine.handshake import incompatibilities
@@ -84,59 +84,75 @@ class Destination:
 
     # ----- reservations
 
-    def _refusal(self, request: mpb.ProposeMigrationRequest) -> str | None:
+    def _refusal(self, request: mpb.ProposeMigrationRequest) -> tuple[str, str | None]:
+        """(the KV channel, None) when this instance takes the request, else ("", why not)."""
         refusal = self.admission.refusal()
         if refusal is not None:
-            return str(refusal)
+            return "", str(refusal)
         if self.tracker.requests.get(request.request_id) is not None:
-            return f"request id {request.request_id!r} is already running here"
+            return "", f"request id {request.request_id!r} is already running here"
         if request.migration_id in self.reservations:
-            return f"migration {request.migration_id!r} is already proposed here"
+            return "", f"migration {request.migration_id!r} is already proposed here"
         if len(self.reservations) + self.outgoing() >= self.settings.max_concurrent:
-            return f"this instance already takes part in {self.settings.max_concurrent} migration(s)"
+            return "", f"this instance already takes part in {self.settings.max_concurrent} migration(s)"
         mine = self.handshake()
         if mine is None or not mine.get("kv_address"):
-            return "this engine has not published its handshake record (KV receiver) yet"
+            return "", "this engine has not published its handshake record (KV receiver) yet"
         try:
             peer = json.loads(request.handshake_json)
         except ValueError:
-            return "the source's handshake record is not JSON"
+            return "", "the source's handshake record is not JSON"
         problems = incompatibilities(mine, peer)
         if problems:
-            return "incompatible engines: " + "; ".join(problems)
-        refusal = channel_refusal(self.settings.transport, engine_channel(peer), engine_channel(mine))
+            return "", "incompatible engines: " + "; ".join(problems)
+        channel, refusal = choose_channel(request.transport, self.settings.transport, engine_channels(peer),
+                                          engine_channels(mine))
         if refusal is not None:
-            return refusal
+            return "", refusal
         report = self.tracker.report()
         if report is None:
-            return "this instance has not observed its engine yet"
+            return "", "this instance has not observed its engine yet"
         candidate = RequestLoad(request.request_id, request.prompt_tokens, request.output_tokens,
                                 request.blocks)
         if not admits(candidate, report.load, self.settings.policy):
-            return (f"not enough room: {report.load.free_blocks - report.load.reserved_blocks} free blocks, "
-                    f"the request holds {request.blocks} and freeness must stay >= "
-                    f"{self.settings.freeness_threshold:g}")
-        return None
+            return "", (f"not enough room: {report.load.free_blocks - report.load.reserved_blocks} free "
+                        f"blocks, the request holds {request.blocks} and freeness must stay >= "
+                        f"{self.settings.freeness_threshold:g}")
+        return channel, None
 
-    def propose(self, request: mpb.ProposeMigrationRequest) -> mpb.ProposeMigrationResponse:
-        refusal = self._refusal(request)
+    def _refuse(self, request: mpb.ProposeMigrationRequest, reason: str) -> mpb.ProposeMigrationResponse:
+        logger.info("migration refused", extra={"migration_id": request.migration_id,
+                                                "request_id": request.request_id, "reason": reason})
+        self.metrics.migrations.labels("in", "refused").inc()
+        return mpb.ProposeMigrationResponse(accepted=False, reason=reason)
+
+    async def propose(self, request: mpb.ProposeMigrationRequest) -> mpb.ProposeMigrationResponse:
+        """Accepts (reserving blocks, and for a pair channel opening its rendezvous in this engine) or
+        refuses with the reason."""
+        transport, refusal = self._refusal(request)
         if refusal is not None:
-            logger.info("migration refused", extra={"migration_id": request.migration_id,
-                                                    "request_id": request.request_id, "reason": refusal})
-            self.metrics.migrations.labels("in", "refused").inc()
-            return mpb.ProposeMigrationResponse(accepted=False, reason=refusal)
+            return self._refuse(request, refusal)
         blocks = request.blocks + 1  # it keeps decoding while it moves
+        # Reserved before the engine opens the channel, so a concurrent Propose sees the bound.
         self.reservations[request.migration_id] = Reservation(
             request.migration_id, request.request_id, request.source_instance_id, request, blocks,
             time.monotonic() + self.settings.lease_s)
         self._publish_reservations()
-        mine = self.handshake() or {}
+        answer = mpb.ProposeMigrationResponse(accepted=True, transport=transport,
+                                              lease_ms=int(self.settings.lease_s * 1000))
+        if transport != "tcp":
+            try:
+                answer.channel.CopyFrom(await self.link.open_channel(transport, request.migration_id))
+            except EngineCommandRefused as exc:
+                if self.reservations.pop(request.migration_id, None) is not None:
+                    self._publish_reservations()
+                return self._refuse(request, f"this engine could not open a {transport} channel: {exc}")
+        answer.kv_address = str((self.handshake() or {})["kv_address"])
         logger.info("migration accepted", extra={"migration_id": request.migration_id,
                                                  "request_id": request.request_id, "blocks": blocks,
-                                                 "source": request.source_instance_id})
-        return mpb.ProposeMigrationResponse(
-            accepted=True, kv_address=str(mine["kv_address"]), transport=engine_channel(mine),
-            lease_ms=int(self.settings.lease_s * 1000))
+                                                 "source": request.source_instance_id,
+                                                 "transport": transport})
+        return answer
 
     def renew(self, request: mpb.RenewMigrationRequest) -> mpb.RenewMigrationResponse:
         reservation = self.reservations.get(request.migration_id)

@@ -20,7 +20,9 @@ from llumnix.v1.kv_transfer_pb2 import (
     EngineCommand,
     ExportFinal,
     ExportStage,
+    KVChannel,
     MigrationEvent,
+    OpenChannel,
 )
 
 logger = logging.getLogger("llumlet.migration")
@@ -62,13 +64,25 @@ class EngineLink:
             raise EngineCommandRefused(reply.error or "refused")
 
     async def export_stage(self, migration_id: str, request_id: str, kv_address: str, transport: str,
-                           final: bool) -> None:
+                           channel: KVChannel, final: bool) -> None:
+        """`channel`: the pair channel the destination opened (empty for tcp)."""
         fields = {"migration_id": migration_id, "request_id": request_id, "kv_address": kv_address,
-                  "transport": transport}
+                  "transport": transport, "channel": channel}
         if final:
             await self.command(EngineCommand(export_final=ExportFinal(**fields)))
         else:
             await self.command(EngineCommand(export_stage=ExportStage(**fields)))
+
+    async def open_channel(self, backend: str, migration_id: str) -> KVChannel:
+        """As a destination: the rendezvous of a fresh pair channel (gloo, nccl) for the migration."""
+        try:
+            reply = await self._commands.send(
+                EngineCommand(open_channel=OpenChannel(backend=backend, migration_id=migration_id)))
+        except EngineChannelError as exc:
+            raise EngineCommandRefused(str(exc)) from None
+        if not reply.ok:
+            raise EngineCommandRefused(reply.error or "refused")
+        return reply.channel
 
     async def cancel_export(self, migration_id: str) -> None:
         """Best effort: a failed migration's cleanup must not fail."""

@@ -1,5 +1,5 @@
-"""Which running requests can move, over which KV channel, and the request that continues one on
-another engine.
+"""Which running requests can move, over which KV channel (negotiated in Propose), and the request
+that continues one on another engine.
 
 A migrated request restarts on the destination as a completion whose prompt is the original prompt
 plus every token generated so far (`llumnix.openai_replay.replay_body`), with the remaining
@@ -53,20 +53,51 @@ def migration_refusal(record: RequestRecord) -> str | None:
     return None
 
 
-def engine_channel(handshake: dict[str, object]) -> str:
-    """The KV channel an engine receives migrations on (its handshake's kv_transport)."""
-    return str(handshake.get("kv_transport") or "tcp")
+CPU_DEFAULT_CHANNEL = "tcp"
+"""What `auto` takes when the engines cannot both use NCCL: TCP measured as fast as gloo or faster on
+CPU engines (docs/migration.md, "TCP or gloo on CPU")."""
 
 
-def channel_refusal(transport: str, source_channel: str, destination_channel: str) -> str | None:
-    """Why a llumlet configured `--migration-transport transport` takes no part in a migration between
-    engines with these channels (None: it does). The migration uses the destination's channel; the
-    source engine sends TCP always, NCCL only when it runs NCCL itself."""
-    if destination_channel == "nccl" and source_channel != "nccl":
-        return f"the destination engine receives KV over nccl; the source engine runs {source_channel}"
-    if transport != "auto" and destination_channel != transport:
-        return (f"this llumlet migrates KV over {transport} only; the destination engine receives over "
-                f"{destination_channel}")
+def engine_channels(handshake: dict[str, object]) -> list[str]:
+    """The KV channels an engine receives and sends on (its handshake's kv_channels; tcp when absent)."""
+    channels = handshake.get("kv_channels")
+    return [str(c) for c in channels] if isinstance(channels, list) and channels else ["tcp"]
+
+
+def choose_channel(source_transport: str, destination_transport: str, source_channels: list[str],
+                   destination_channels: list[str]) -> tuple[str, str | None]:
+    """The KV channel of a migration, from both llumlets' `--migration-transport` and both engines'
+    channels: (channel, None), or ("", why not). A llumlet set to tcp, gloo or nccl takes only that;
+    with both on `auto`, nccl when both engines are on CUDA, else `CPU_DEFAULT_CHANNEL`."""
+    source_transport = source_transport or "auto"
+    wanted = {t for t in (source_transport, destination_transport) if t != "auto"}
+    if len(wanted) > 1:
+        return "", (f"the source llumlet migrates KV over {source_transport} only, the destination over "
+                    f"{destination_transport} only")
+    if wanted:
+        channel = wanted.pop()
+    elif "nccl" in source_channels and "nccl" in destination_channels:
+        channel = "nccl"
+    else:
+        channel = CPU_DEFAULT_CHANNEL
+    for side, channels in (("source", source_channels), ("destination", destination_channels)):
+        if channel not in channels:
+            need = " (it needs a CUDA GPU on both engines)" if channel == "nccl" else ""
+            return "", (f"the KV channel is {channel}{need}; the {side} engine has only "
+                        f"{', '.join(channels)}")
+    return channel, None
+
+
+def answer_refusal(transport: str, source_channels: list[str], chosen: str,
+                   channel_backend: str) -> str | None:
+    """Why the source (set to `transport`, its engine on `source_channels`) cannot use the channel a
+    destination chose in its Propose answer (None: it can); a pair channel comes with its rendezvous."""
+    if transport != "auto" and chosen != transport:
+        return f"this llumlet migrates KV over {transport} only; the destination chose {chosen}"
+    if chosen not in source_channels:
+        return f"the destination chose {chosen}; this engine has only {', '.join(source_channels)}"
+    if chosen != "tcp" and channel_backend != chosen:
+        return f"the destination chose {chosen} but opened no {chosen} channel"
     return None
 
 

@@ -24,7 +24,7 @@ class MigrationService(migration_pb2_grpc.LlumletMigrationServicer):
 
     async def Propose(self, request: mpb.ProposeMigrationRequest, context: grpc.aio.ServicerContext
                       ) -> mpb.ProposeMigrationResponse:
-        return self.destination.propose(request)
+        return await self.destination.propose(request)
 
     async def Renew(self, request: mpb.RenewMigrationRequest, context: grpc.aio.ServicerContext
                     ) -> mpb.RenewMigrationResponse:

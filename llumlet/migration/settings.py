@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from llumnix.policies.migration import SELECT_POLICIES, MigrationConfig
 
-TRANSPORTS = ("auto", "tcp", "nccl")
+TRANSPORTS = ("auto", "tcp", "gloo", "nccl")
 
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
@@ -29,8 +29,9 @@ class MigrationSettings:
     commit_timeout_s: float = 60.0
     """Commit answers after the destination's first token (a prefill of the unstaged tokens)."""
     transport: str = "auto"
-    """The KV channel migrations use: "tcp" or "nccl" refuses a migration over the other; "auto" takes
-    the destination engine's channel when the source engine can send on it."""
+    """The KV channel migrations use (negotiated in Propose, llumlet/migration/rules.py choose_channel):
+    "tcp", "gloo" or "nccl" takes only that one; "auto" takes nccl when both engines are on CUDA and
+    TCP otherwise."""
 
     def __post_init__(self) -> None:
         if self.select not in SELECT_POLICIES:

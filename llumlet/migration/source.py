@@ -23,8 +23,8 @@ from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
 from llumlet.migration.rules import (
-    channel_refusal,
-    engine_channel,
+    answer_refusal,
+    engine_channels,
     migration_refusal,
     resume_point,
     usable_staged_tokens,
@@ -81,6 +81,8 @@ class _Progress:
     """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
     commit_ms: float = 0.0
     """Downtime in Commit (the destination's admission, KV load and first step)."""
+    transport: str = ""
+    """The KV channel the destination chose."""
 
 
 class PeerStubs:
@@ -193,7 +195,8 @@ class Source:
                                          mpb.MIGRATION_OUTCOME_REFUSED) else logger.warning
         log("migration out ended", extra={
             "migration_id": progress.migration_id, "request_id": record.request_id, "outcome": name,
-            "reason": reason, "destination": request.destination_instance_id, "stages": progress.stages,
+            "reason": reason, "destination": request.destination_instance_id, "transport": progress.transport,
+            "stages": progress.stages,
             "bytes": progress.bytes, "staged_tokens": progress.staged_tokens,
             "downtime_ms": round(progress.downtime_ms, 2),
             "final_stage_ms": round(progress.final_stage_ms, 2),
@@ -202,7 +205,7 @@ class Source:
         return mpb.MigrateOutResponse(
             outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
             stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
-            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3)
+            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport)
 
     async def _run(self, progress: _Progress, request: mpb.MigrateOutRequest,
                    events: asyncio.Queue[MigrationEvent]) -> None:
@@ -246,7 +249,7 @@ class Source:
             priority=llumlet_pb2.PRIORITY_HIGH if record.high_priority else llumlet_pb2.PRIORITY_NORMAL,
             prompt_tokens=len(record.prompt_token_ids), output_tokens=record.output_tokens,
             blocks=blocks_for_tokens(tokens, self._block_size()), handshake_json=json.dumps(handshake),
-            lease_ms=int(self.settings.lease_s * 1000))
+            lease_ms=int(self.settings.lease_s * 1000), transport=self.settings.transport)
         try:
             answer = await progress.destination.Propose(proposal, timeout=self.settings.peer_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -256,8 +259,9 @@ class Source:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, f"the destination refused: {answer.reason}")
         progress.proposed = True
         progress.renewed = time.monotonic()
-        refusal = channel_refusal(self.settings.transport, engine_channel(handshake),
-                                  answer.transport or "tcp")
+        progress.transport = answer.transport or "tcp"
+        refusal = answer_refusal(self.settings.transport, engine_channels(handshake),
+                                 answer.transport or "tcp", answer.channel.backend)
         if refusal is not None:
             await self._abandon(progress, refusal)
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, refusal)
@@ -305,7 +309,7 @@ class Source:
         self._check_running(progress)
         try:
             await self.link.export_stage(progress.migration_id, progress.record.request_id, answer.kv_address,
-                                         answer.transport, final)
+                                         answer.transport, answer.channel, final)
         except EngineCommandRefused as exc:
             await self._fail(progress, f"the engine refused the export: {exc}")
 

@@ -8,7 +8,8 @@ that refuses (full) or is unreachable leaves the request on the source; a reques
 the source mid-migration ends the migration; a source that dies after the final stage (before or
 after Commit; it runs as faulty_llumlet, which crashes there) leaves the router's token replay to
 finish the request, and the destination drops what it holds when its lease runs out; a destination
-engine that dies mid-stage aborts the migration and the source continues.
+engine that dies mid-stage aborts the migration and the source continues. Migrations negotiated onto
+a gloo pair channel (the code path of NCCL on GPUs) are exact too, and a channel mismatch is refused.
 
 Engine B runs a shorter context than A (the handshake does not compare context lengths): long
 requests moved to B fail at commit, which is how the recompute path is reached.
@@ -289,6 +290,40 @@ async def test_greedy_requests_migrated_at_random_points_keep_their_tokens(nodes
     assert all(r.migrated_tokens > 0 and r.bytes > 0 for r in committed)
     for (tokens, results), want in zip(outcomes, expected, strict=True):
         assert tokens == want, results
+    await _wait_idle(a)
+    await _wait_idle(b)
+
+
+async def test_greedy_requests_migrate_over_a_gloo_channel_negotiated_in_propose(
+        nodes: tuple[Node, Node]) -> None:
+    """A's llumlet asks for gloo, B's is on auto: every migration, either way, runs on a gloo pair
+    channel whose rendezvous B's (or A's) engine opened and Propose's answer carried, and stays exact;
+    B restricted to tcp refuses A's gloo with the reason, and the request stays on A untouched."""
+    a, b = nodes
+    await a.restart_llumlet("--migration-transport", "gloo")
+    await b.restart_llumlet()
+    try:
+        count = 4
+        expected = await asyncio.gather(*(_generate(a, f"gref-{i}", _body(200 + i, 40, 160))
+                                          for i in range(count)))
+        outcomes = await asyncio.gather(*(
+            _migrated_run((a, b) if i % 2 == 0 else (b, a), f"g-{i}", _body(200 + i, 40, LONG),
+                          2 if i < 2 else 1, [10, 30], 160) for i in range(count)))
+        for (tokens, results), want in zip(outcomes, expected, strict=True):
+            assert [(r.outcome, r.transport) for r in results] == \
+                [(mpb.MIGRATION_OUTCOME_COMMITTED, "gloo")] * len(results), results
+            assert all(r.migrated_tokens > 0 and r.bytes > 0 for r in results)
+            assert tokens == want, results
+        await b.restart_llumlet("--migration-transport", "tcp")
+        run = Run.start(a, "g-refused", _body(200, 40, LONG))
+        await run.until(10)
+        refused = await _migrate(a, b, "g-refused")
+        assert refused.outcome == mpb.MIGRATION_OUTCOME_REFUSED, refused
+        assert "migrates KV over gloo only, the destination over tcp only" in refused.reason, refused
+        assert await run.stop(160) == expected[0]
+    finally:
+        await a.restart_llumlet()
+        await b.restart_llumlet()
     await _wait_idle(a)
     await _wait_idle(b)
 

@@ -18,21 +18,31 @@ from llumlet.engine_client import EngineClient, EngineUnavailableError
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.destination import Destination
+from llumlet.migration.engine_link import EngineCommandRefused
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
+from llumnix.v1.kv_transfer_pb2 import KVChannel
 
 HANDSHAKE = {"model": "m", "kv_dtype": "float32", "block_size": 16, "kv_layout": {"bytes_per_block": 64},
              "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_address": "tcp://127.0.0.1:9",
-             "kv_transport": "tcp"}
+             "kv_channels": ["tcp", "gloo"]}
 
 
 class FakeLink:
     def __init__(self) -> None:
         self.dropped: list[str] = []
         self.changed = asyncio.Event()
+        self.opened: list[tuple[str, str]] = []
+        self.open_refusal = ""
+
+    async def open_channel(self, backend: str, migration_id: str) -> KVChannel:
+        if self.open_refusal:
+            raise EngineCommandRefused(self.open_refusal)
+        self.opened.append((backend, migration_id))
+        return KVChannel(backend=backend, channel_id=f"{migration_id}-c", store_address="127.0.0.1:7")
 
     async def drop_staging(self, migration_id: str) -> None:
         self.dropped.append(migration_id)
@@ -84,7 +94,7 @@ def _load(node: Destination) -> tuple[int, int]:
 
 async def test_accepting_reserves_blocks_in_the_load_until_aborted(destination: tuple) -> None:
     node, link = destination
-    answer = node.propose(_proposal("m1", 10))
+    answer = await node.propose(_proposal("m1", 10))
     assert answer.accepted and answer.kv_address == "tcp://127.0.0.1:9" and answer.transport == "tcp"
     assert _load(node) == (11, 1)  # one block of growth while it keeps decoding
     released = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test"))
@@ -96,7 +106,7 @@ async def test_accepting_reserves_blocks_in_the_load_until_aborted(destination: 
 async def test_abort_answers_at_once_when_the_engine_does_not(destination: tuple) -> None:
     node, _ = destination
     node.link = HungLink()
-    assert node.propose(_proposal("m1", 10)).accepted
+    assert (await node.propose(_proposal("m1", 10))).accepted
     assert node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test")).released
     assert _load(node) == (0, 0)
     await node.close()  # the hung command is cancelled, not left behind
@@ -104,55 +114,69 @@ async def test_abort_answers_at_once_when_the_engine_does_not(destination: tuple
 
 async def test_refusals_change_nothing(destination: tuple) -> None:
     node, _ = destination
-    incompatible = node.propose(_proposal("m1", 4, block_size=32))
+    incompatible = await node.propose(_proposal("m1", 4, block_size=32))
     assert not incompatible.accepted and "block_size" in incompatible.reason
-    too_big = node.propose(_proposal("m2", 98))  # fits, but leaves freeness below the threshold
+    too_big = await node.propose(_proposal("m2", 98))  # fits, but leaves freeness below the threshold
     assert not too_big.accepted and "room" in too_big.reason
     node.tracker.draining = True
-    draining = node.propose(_proposal("m3", 4))
+    draining = await node.propose(_proposal("m3", 4))
     assert not draining.accepted and "draining" in draining.reason
     assert _load(node) == (0, 0)
 
 
-async def test_the_answer_names_the_engines_kv_channel_and_a_source_that_cannot_use_it_is_refused(
-        destination: tuple) -> None:
-    node, _ = destination
-    node.handshake = lambda: {**HANDSHAKE, "kv_transport": "nccl"}
-    nccl = node.propose(_proposal("m1", 4, kv_transport="nccl"))
-    assert nccl.accepted and nccl.transport == "nccl"
-    tcp_source = node.propose(_proposal("m2", 4))
-    assert not tcp_source.accepted and "source engine runs tcp" in tcp_source.reason
-    assert _load(node) == (5, 1)  # only m1 holds blocks
+async def test_the_answer_carries_the_negotiated_channel_and_its_rendezvous(destination: tuple) -> None:
+    node, link = destination
+    tcp = await node.propose(_proposal("m1", 4))  # both on auto, CPU engines: the CPU default
+    assert tcp.accepted and tcp.transport == "tcp" and not tcp.HasField("channel") and link.opened == []
+    gloo = await node.propose(mpb.ProposeMigrationRequest(transport="gloo", **_fields(_proposal("m2", 4))))
+    assert gloo.accepted and gloo.transport == "gloo" and link.opened == [("gloo", "m2")]
+    assert gloo.channel == KVChannel(backend="gloo", channel_id="m2-c", store_address="127.0.0.1:7")
+    assert gloo.kv_address == "tcp://127.0.0.1:9"
 
 
-async def test_a_configured_transport_refuses_migrations_over_the_other(destination: tuple) -> None:
-    node, _ = destination
-    node.settings = replace(node.settings, transport="nccl")
-    refused = node.propose(_proposal("m1", 4))
-    assert not refused.accepted and "over nccl only" in refused.reason
+async def test_a_channel_mismatch_is_refused_with_its_reason_and_changes_nothing(destination: tuple) -> None:
+    node, link = destination
+    nccl = await node.propose(mpb.ProposeMigrationRequest(transport="nccl", **_fields(_proposal("m1", 4))))
+    assert not nccl.accepted and "needs a CUDA GPU on both engines" in nccl.reason
     node.settings = replace(node.settings, transport="tcp")
-    # An NCCL source engine sends to this TCP engine over TCP.
-    accepted = node.propose(_proposal("m2", 4, kv_transport="nccl"))
-    assert accepted.accepted and accepted.transport == "tcp"
-    node.handshake = lambda: {**HANDSHAKE, "kv_transport": "nccl"}
-    refused = node.propose(_proposal("m3", 4, kv_transport="nccl"))
-    assert not refused.accepted and "over tcp only" in refused.reason
+    gloo = await node.propose(mpb.ProposeMigrationRequest(transport="gloo", **_fields(_proposal("m2", 4))))
+    assert not gloo.accepted and "over gloo only, the destination over tcp only" in gloo.reason
+    no_gloo = await node.propose(_proposal("m3", 4, kv_channels=["tcp"]))
+    assert no_gloo.accepted and no_gloo.transport == "tcp"  # tcp is set here, and every engine has it
+    node.settings = replace(node.settings, transport="gloo")
+    refused = await node.propose(_proposal("m4", 4, kv_channels=["tcp"]))
+    assert not refused.accepted and "the source engine has only tcp" in refused.reason
+    assert _load(node) == (5, 1) and link.opened == []  # only m3 holds blocks
+
+
+async def test_an_engine_that_cannot_open_the_channel_is_a_refusal_that_releases_the_blocks(
+        destination: tuple) -> None:
+    node, link = destination
+    node.settings = replace(node.settings, transport="gloo")
+    link.open_refusal = "this torch has no gloo backend"
+    refused = await node.propose(_proposal("m1", 4))
+    assert not refused.accepted and "could not open a gloo channel: this torch has no gloo" in refused.reason
+    assert _load(node) == (0, 0) and node.reservations == {}
+
+
+def _fields(proposal: mpb.ProposeMigrationRequest) -> dict[str, object]:
+    return {field.name: value for field, value in proposal.ListFields()}
 
 
 async def test_concurrency_bound_counts_migrations_in_and_out(destination: tuple) -> None:
     node, _ = destination
-    assert node.propose(_proposal("m1", 4)).accepted
+    assert (await node.propose(_proposal("m1", 4))).accepted
     node.outgoing = lambda: 1
-    busy = node.propose(_proposal("m2", 4))
+    busy = await node.propose(_proposal("m2", 4))
     assert not busy.accepted and "2 migration" in busy.reason
-    duplicate = node.propose(_proposal("m1", 4))
+    duplicate = await node.propose(_proposal("m1", 4))
     assert not duplicate.accepted
 
 
 async def test_leases_expire_unless_renewed(destination: tuple) -> None:
     node, link = destination
-    assert node.propose(_proposal("kept", 4)).accepted
-    assert node.propose(_proposal("lost", 4)).accepted
+    assert (await node.propose(_proposal("kept", 4))).accepted
+    assert (await node.propose(_proposal("lost", 4))).accepted
     expiry = asyncio.create_task(node.expire())
     try:
         for _ in range(8):
@@ -201,7 +225,7 @@ async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_st
     node.admission.engine = SlowEngine("http://127.0.0.1:9")
     proposal = _proposal("m1", 4)
     proposal.endpoint = pb.ENDPOINT_COMPLETION
-    assert node.propose(proposal).accepted
+    assert (await node.propose(proposal)).accepted
     commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
         migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
     for _ in range(100):
@@ -253,7 +277,7 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
     try:
         proposal = _proposal("m1", 4)
         proposal.endpoint = pb.ENDPOINT_COMPLETION
-        assert node.propose(proposal).accepted
+        assert (await node.propose(proposal)).accepted
         answer = await node.commit(mpb.CommitMigrationRequest(
             migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63))
         assert answer.ok, answer.reason

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from llumlet.migration.rules import (
-    channel_refusal,
-    engine_channel,
+    CPU_DEFAULT_CHANNEL,
+    answer_refusal,
+    choose_channel,
+    engine_channels,
     migration_refusal,
     resume_point,
     usable_staged_tokens,
@@ -95,29 +97,56 @@ def test_only_kv_of_tokens_the_llumlet_saw_is_loaded_and_the_newest_is_recompute
     assert usable_staged_tokens(0, record) == 0
 
 
-@pytest.mark.parametrize(("transport", "source", "destination"), [
-    ("auto", "tcp", "tcp"), ("auto", "nccl", "tcp"), ("auto", "nccl", "nccl"),
-    ("tcp", "tcp", "tcp"), ("tcp", "nccl", "tcp"), ("nccl", "nccl", "nccl"),
+CPU = ["tcp", "gloo"]
+CUDA = ["tcp", "gloo", "nccl"]
+
+
+@pytest.mark.parametrize(("source_transport", "destination_transport", "source", "destination", "channel"), [
+    # auto on both sides: nccl when both engines are on CUDA, else the CPU default.
+    ("auto", "auto", CUDA, CUDA, "nccl"),
+    ("auto", "auto", CUDA, CPU, CPU_DEFAULT_CHANNEL),
+    ("auto", "auto", CPU, CPU, CPU_DEFAULT_CHANNEL),
+    ("", "auto", CPU, CPU, CPU_DEFAULT_CHANNEL),  # a source that sends no transport is on auto
+    ("auto", "auto", ["tcp"], ["tcp"], "tcp"),  # engines without pair channels (sim engines)
+    # one side set: that one, whatever the other (auto) says.
+    ("gloo", "auto", CPU, CPU, "gloo"),
+    ("auto", "gloo", CPU, CUDA, "gloo"),
+    ("tcp", "auto", CUDA, CUDA, "tcp"),
+    ("nccl", "nccl", CUDA, CUDA, "nccl"),
 ])
-def test_a_migration_over_the_destination_engines_channel_is_taken(
-        transport: str, source: str, destination: str) -> None:
-    assert channel_refusal(transport, source, destination) is None
+def test_the_channel_follows_the_llumlets_settings_and_the_engines(
+        source_transport: str, destination_transport: str, source: list[str], destination: list[str],
+        channel: str) -> None:
+    assert choose_channel(source_transport, destination_transport, source, destination) == (channel, None)
 
 
-@pytest.mark.parametrize(("transport", "source", "destination", "reason"), [
-    # NCCL needs both engines on it; TCP any sender can use.
-    ("auto", "tcp", "nccl", "the source engine runs tcp"),
-    ("nccl", "tcp", "nccl", "the source engine runs tcp"),
-    ("tcp", "nccl", "nccl", "over tcp only; the destination engine receives over nccl"),
-    ("nccl", "tcp", "tcp", "over nccl only; the destination engine receives over tcp"),
-    ("nccl", "nccl", "tcp", "over nccl only"),
+@pytest.mark.parametrize(("source_transport", "destination_transport", "source", "destination", "reason"), [
+    ("nccl", "auto", CUDA, CPU, "the KV channel is nccl (it needs a CUDA GPU on both engines); the "
+                                 "destination engine has only tcp, gloo"),
+    ("auto", "nccl", CPU, CUDA, "the source engine has only tcp, gloo"),
+    ("gloo", "auto", ["tcp"], CPU, "the KV channel is gloo; the source engine has only tcp"),
+    ("tcp", "gloo", CPU, CPU, "the source llumlet migrates KV over tcp only, the destination over gloo only"),
 ])
-def test_a_migration_over_another_channel_is_refused(
-        transport: str, source: str, destination: str, reason: str) -> None:
-    refusal = channel_refusal(transport, source, destination)
-    assert refusal is not None and reason in refusal
+def test_a_mismatch_is_refused_with_its_reason(source_transport: str, destination_transport: str,
+                                               source: list[str], destination: list[str],
+                                               reason: str) -> None:
+    channel, refusal = choose_channel(source_transport, destination_transport, source, destination)
+    assert channel == "" and refusal is not None and reason in refusal
 
 
-def test_an_engine_without_a_kv_transport_in_its_handshake_receives_over_tcp() -> None:
-    assert engine_channel({"kv_transport": None}) == engine_channel({}) == "tcp"
-    assert engine_channel({"kv_transport": "nccl"}) == "nccl"
+@pytest.mark.parametrize(("transport", "chosen", "backend", "reason"), [
+    ("auto", "tcp", "", None),
+    ("auto", "gloo", "gloo", None),
+    ("gloo", "gloo", "gloo", None),
+    ("tcp", "gloo", "gloo", "this llumlet migrates KV over tcp only; the destination chose gloo"),
+    ("auto", "nccl", "nccl", "the destination chose nccl; this engine has only tcp, gloo"),
+    ("auto", "gloo", "", "the destination chose gloo but opened no gloo channel"),
+])
+def test_the_source_checks_the_channel_in_the_answer(transport: str, chosen: str, backend: str,
+                                                     reason: str | None) -> None:
+    assert answer_refusal(transport, CPU, chosen, backend) == reason
+
+
+def test_an_engine_without_kv_channels_in_its_handshake_has_tcp() -> None:
+    assert engine_channels({"kv_channels": None}) == engine_channels({}) == ["tcp"]
+    assert engine_channels({"kv_channels": CUDA}) == CUDA

@@ -1,5 +1,5 @@
-"""The source's Propose: a destination whose engine channel this llumlet's --migration-transport does
-not allow is refused, and its reservation released at once."""
+"""The source's Propose: it sends its --migration-transport; a channel in the answer that this llumlet or
+its engine cannot use is refused, and the destination's reservation released at once."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from llumlet.requests import RequestRecord, RequestTable
 from llumnix.openai_stream import EndpointKind
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineSnapshot
+from llumnix.v1.kv_transfer_pb2 import KVChannel
 
 
 class FakeLink:
@@ -27,29 +28,36 @@ class FakeLink:
 
 
 class FakeDestination:
-    """A destination llumlet whose engine receives over `transport`; it records Abort."""
+    """A destination llumlet that chooses `transport` (with its channel when `opened`); it records the
+    proposals and Abort."""
 
-    def __init__(self, transport: str) -> None:
+    def __init__(self, transport: str, opened: bool = True) -> None:
         self.transport = transport
+        self.opened = opened
+        self.proposals: list[mpb.ProposeMigrationRequest] = []
         self.aborted: list[str] = []
 
     async def Propose(self, request: mpb.ProposeMigrationRequest, timeout: float) -> Any:
-        return mpb.ProposeMigrationResponse(accepted=True, kv_address="tcp://127.0.0.1:9",
-                                            transport=self.transport, lease_ms=1000)
+        self.proposals.append(request)
+        answer = mpb.ProposeMigrationResponse(accepted=True, kv_address="tcp://127.0.0.1:9",
+                                              transport=self.transport, lease_ms=1000)
+        if self.transport != "tcp" and self.opened:
+            answer.channel.CopyFrom(KVChannel(backend=self.transport, channel_id="c"))
+        return answer
 
     async def Abort(self, request: mpb.AbortMigrationRequest, timeout: float) -> Any:
         self.aborted.append(request.migration_id)
         return mpb.AbortMigrationResponse(released=True)
 
 
-async def _propose(transport: str, engine: str, destination: FakeDestination
+async def _propose(transport: str, engine: list[str], destination: FakeDestination
                    ) -> tuple[mpb.ProposeMigrationResponse | MigrationFailed, FakeLink]:
     tracker = LoadTracker("s", RequestTable())
     tracker.on_snapshot(EngineSnapshot(engine_id="e", step=1, timestamp=time.time(), total_blocks=100,
                                        free_blocks=100, block_size=16))
     link = FakeLink()
     source = Source("s", "127.0.0.1:1", None, tracker, link,  # type: ignore[arg-type]
-                    lambda: {"kv_transport": engine}, MigrationSettings(transport=transport),
+                    lambda: {"kv_channels": engine}, MigrationSettings(transport=transport),
                     LlumletMetrics("s", tracker.report), incoming=lambda: 0)
     record = RequestRecord("r", EndpointKind.COMPLETION, {"prompt": "x", "max_tokens": 10},
                            prompt_token_ids=(1, 2, 3), generated_token_ids={0: [4]}, migratable=True)
@@ -60,25 +68,31 @@ async def _propose(transport: str, engine: str, destination: FakeDestination
         return exc, link
 
 
+CPU = ["tcp", "gloo"]
+CUDA = ["tcp", "gloo", "nccl"]
+
+
 @pytest.mark.parametrize(("transport", "engine", "channel"), [
-    ("auto", "tcp", "tcp"), ("auto", "nccl", "nccl"), ("tcp", "nccl", "tcp"), ("nccl", "nccl", "nccl"),
+    ("auto", CPU, "tcp"), ("auto", CPU, "gloo"), ("auto", CUDA, "nccl"), ("gloo", CPU, "gloo"),
+    ("nccl", CUDA, "nccl"),
 ])
-async def test_a_destination_channel_the_llumlet_allows_is_used(transport: str, engine: str,
-                                                                channel: str) -> None:
+async def test_a_channel_the_llumlet_and_its_engine_can_use_is_taken(transport: str, engine: list[str],
+                                                                    channel: str) -> None:
     destination = FakeDestination(channel)
     answer, _ = await _propose(transport, engine, destination)
     assert isinstance(answer, mpb.ProposeMigrationResponse) and answer.transport == channel
+    assert destination.proposals[0].transport == transport  # negotiated by the destination
     assert destination.aborted == []
 
 
-@pytest.mark.parametrize(("transport", "engine", "channel", "reason"), [
-    ("tcp", "nccl", "nccl", "over tcp only"),
-    ("nccl", "nccl", "tcp", "over nccl only"),
-    ("auto", "tcp", "nccl", "the source engine runs tcp"),
+@pytest.mark.parametrize(("transport", "engine", "destination", "reason"), [
+    ("tcp", CUDA, FakeDestination("nccl"), "over tcp only; the destination chose nccl"),
+    ("nccl", CUDA, FakeDestination("tcp"), "over nccl only"),
+    ("auto", CPU, FakeDestination("nccl"), "this engine has only tcp, gloo"),
+    ("auto", CPU, FakeDestination("gloo", opened=False), "opened no gloo channel"),
 ])
-async def test_a_destination_channel_the_llumlet_does_not_allow_is_refused_and_released(
-        transport: str, engine: str, channel: str, reason: str) -> None:
-    destination = FakeDestination(channel)
+async def test_a_channel_the_source_cannot_use_is_refused_and_released(
+        transport: str, engine: list[str], destination: FakeDestination, reason: str) -> None:
     failed, link = await _propose(transport, engine, destination)
     assert isinstance(failed, MigrationFailed)
     assert failed.outcome == mpb.MIGRATION_OUTCOME_REFUSED and reason in failed.reason
