@@ -25,6 +25,7 @@ fp16 KV per token): migration beats recompute by that ratio's margin on real mod
     .venv/bin/python bench/migration_downtime.py --model tiny --lengths 256,1024,2048
     .venv/bin/python bench/migration_downtime.py --model tiny --soak 100
     .venv/bin/python bench/migration_downtime.py --model 7b-like
+    .venv/bin/python bench/migration_downtime.py --model tiny --transport gloo --out /tmp/gloo
 """
 
 from __future__ import annotations
@@ -294,8 +295,9 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
     max_model_len = longest + DECODE_AFTER_MOVE + HEADROOM + 64
     recipe = dataclasses.replace(PRESETS[MODELS[args.model]], max_position_embeddings=max_model_len + 64)
     model_dir = ensure_tiny_model(REPO / ".cache" / "models", recipe)
+    transport = ("--migration-transport", args.transport)
     config = {"model_dir": model_dir, "max_model_len": max_model_len, "kv_cache_gib": args.kv_cache_gib,
-              "shutdown_grace_s": 5.0, "engine_start_timeout_s": 600.0}
+              "shutdown_grace_s": 5.0, "engine_start_timeout_s": 600.0, "llumlet_args": transport}
     pairs = [EnginePair(PairConfig(instance_id=name, work_dir=work / name, **config)) for name in ("a", "b")]
     await asyncio.gather(*(p.start() for p in pairs))
     a, b = Node(pairs[0]), Node(pairs[1])
@@ -329,7 +331,7 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
                     progress.update()
             if args.soak:
                 soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens)
-            await a.restart_llumlet("--migration-max-stages", "0")
+            await a.restart_llumlet(*transport, "--migration-max-stages", "0")
             for length in lengths:
                 for seed in range(args.repeats):
                     result, _ = await _migrate_beside_other(a, b, length, seed + 100, recipe.vocab_size,
@@ -447,6 +449,9 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--soak", type=int, default=0, metavar="N",
                         help="then N migrations in a row of one request under background decoding (0: none)")
+    parser.add_argument("--transport", choices=("auto", "tcp", "gloo", "nccl"), default="auto",
+                        help="both llumlets' --migration-transport (the KV channel; auto: tcp on CPU); "
+                             "the output files of another than auto are named _<transport>")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "figures")
     parser.add_argument("--work-dir", type=Path, help="keep the engines' and llumlets' logs here "
                         "(default: a temporary directory)")
@@ -456,19 +461,20 @@ def main() -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="llumnix-migration-bench-") as tmp:
             rows, soak, recipe = asyncio.run(measure(args, Path(tmp)))
-    text = report(rows, recipe, args.model)
+    text = f"KV channel: {args.transport}.\n\n" + report(rows, recipe, args.model)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
+    name = args.model if args.transport == "auto" else f"{args.model}_{args.transport}"
     if soak is not None:
         soak_text = soak_report(soak)
         print("\n" + soak_text)
-        (args.out / f"migration_soak_{args.model}.md").write_text(soak_text + "\n")
-        (args.out / f"migration_soak_{args.model}.json").write_text(
+        (args.out / f"migration_soak_{name}.md").write_text(soak_text + "\n")
+        (args.out / f"migration_soak_{name}.json").write_text(
             json.dumps(dataclasses.asdict(soak), indent=2) + "\n")
-    (args.out / f"migration_downtime_{args.model}.md").write_text(text + "\n")
-    (args.out / f"migration_downtime_{args.model}.json").write_text(
+    (args.out / f"migration_downtime_{name}.md").write_text(text + "\n")
+    (args.out / f"migration_downtime_{name}.json").write_text(
         json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")
-    plot(rows, args.model, args.out / f"migration_downtime_{args.model}.png")
+    plot(rows, args.model, args.out / f"migration_downtime_{name}.png")
     return 0
 
 

