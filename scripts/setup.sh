@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
+# Debian's prometheus (the server and promtool) for the monitoring tests, which skip without it.
+# Opt in (it needs apt and root): LLUMNIX_WITH_PROMETHEUS=1 make setup
+if [ "${LLUMNIX_WITH_PROMETHEUS:-0}" = 1 ] && ! command -v promtool >/dev/null; then
+  echo "[setup] installing Debian's prometheus (server + promtool)"
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get install -y --no-install-recommends prometheus
+fi
+
 inputs_hash=$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.llumnix-setup"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$inputs_hash" ]; then

@@ -4,6 +4,7 @@ every verb the operator uses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,35 @@ def test_operator_built_manifests_are_valid() -> None:
     config = BuildConfig()
     for manifest in [*owned_objects(settings, config), engine_pod(settings, config)]:
         validate(manifest)
+
+
+def test_monitoring_objects_and_dashboards_when_asked() -> None:
+    docs = render({"monitoring": {"enabled": True, "labels": {"release": "kps"}},
+                   "dashboards": {"enabled": True}})
+    by_kind: dict[str, list[dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    monitors = {m["metadata"]["name"]: m for m in by_kind["PodMonitor"]}
+    assert set(monitors) == {"rel-llumnix-operator", "rel-llumnix-operator-routers",
+                             "rel-llumnix-operator-engines"}
+    assert all(m["metadata"]["labels"]["release"] == "kps" for m in monitors.values())
+    engines = monitors["rel-llumnix-operator-engines"]["spec"]
+    assert engines["selector"]["matchLabels"]["app.kubernetes.io/name"] == "llumnix-engine"
+    assert engines["podMetricsEndpoints"][0]["port"] == "llumlet-http"
+    assert engines["namespaceSelector"] == {"any": True}
+    assert monitors["rel-llumnix-operator"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    rules = yaml.safe_load((CHART / "alerts/llumnix-alerts.yaml").read_text())
+    assert by_kind["PrometheusRule"][0]["spec"] == rules
+    dashboards = by_kind["ConfigMap"]
+    assert sorted(d["metadata"]["name"] for d in dashboards) == [
+        f"rel-llumnix-operator-dashboard-{n}" for n in ("instances", "migrations", "operator", "service")]
+    for config_map in dashboards:
+        validate(config_map)
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        (name, text), = config_map["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / name).read_text())
+
+
+def test_monitoring_off_renders_no_monitoring_objects() -> None:
+    kinds = {d["kind"] for d in render({"monitoring": {"enabled": False}, "dashboards": {"enabled": False}})}
+    assert not kinds & {"PodMonitor", "PrometheusRule", "ConfigMap"}

@@ -32,3 +32,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "llumnix.roleKind" -}}
 {{- if .Values.operator.allNamespaces -}}ClusterRole{{- else -}}Role{{- end -}}
 {{- end -}}
+
+{{- /* "true" when the Prometheus Operator's objects are rendered: monitoring.enabled true, or "auto"
+and the cluster serves monitoring.coreos.com/v1. */ -}}
+{{- define "llumnix.monitoring" -}}
+{{- $enabled := .Values.monitoring.enabled -}}
+{{- if eq (toString $enabled) "auto" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
+{{- else if $enabled -}}true{{- end -}}
+{{- end -}}
+
+{{- define "llumnix.monitorNamespaces" -}}
+{{- if .Values.operator.allNamespaces }}
+namespaceSelector:
+  any: true
+{{- else }}
+namespaceSelector:
+  matchNames: [{{ .Release.Namespace | quote }}]
+{{- end }}
+{{- end -}}
