@@ -1,5 +1,5 @@
-"""What the builders need beyond the LLMService spec: the images and the drain timing. The operator
-reads them from its environment (the Helm chart sets them)."""
+"""What the builders need beyond the LLMService spec: the images, their pull secrets and the drain
+timing. The operator reads them from its environment (the Helm chart sets them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from llumnix import __version__
 
 IMAGE_ENV = "LLUMNIX_IMAGE"
 VLLM_IMAGE_ENV = "LLUMNIX_VLLM_IMAGE"
+IMAGE_PULL_SECRETS_ENV = "LLUMNIX_IMAGE_PULL_SECRETS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,8 @@ class BuildConfig:
     """Engine image for runtime vllm/vllm-cpu when the spec names none (vLLM + this project)."""
     drain_timeout_s: int = 150
     """How long a pod being deleted may take to migrate its requests away."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets (in each LLMService's namespace) the engine and router pods pull their images with."""
 
     @property
     def termination_grace_s(self) -> int:
@@ -32,4 +35,11 @@ class BuildConfig:
         return cls(
             image=os.environ.get(IMAGE_ENV, defaults.image),
             vllm_image=os.environ.get(VLLM_IMAGE_ENV, defaults.vllm_image),
+            image_pull_secrets=tuple(
+                name for name in os.environ.get(IMAGE_PULL_SECRETS_ENV, "").split(",") if name
+            ),
         )
+
+    def pull_secrets(self) -> list[dict[str, str]]:
+        """The pod spec's `imagePullSecrets`."""
+        return [{"name": name} for name in self.image_pull_secrets]

@@ -25,6 +25,13 @@ from llumnix_operator.naming import (
     service_account_name,
     template_hash,
 )
+from llumnix_operator.pod_security import (
+    CONTAINER_SECURITY_CONTEXT,
+    POD_SECURITY_CONTEXT,
+    WRITABLE_ENV,
+    WRITABLE_MOUNTS,
+    WRITABLE_VOLUMES,
+)
 
 SOCKET_DIR = "/run/llumnix"
 SNAPSHOT_ADDR = f"ipc://{SOCKET_DIR}/snapshots.sock"
@@ -156,10 +163,11 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "command": argv[:1],
         "args": argv[1:],
         # POD_IP first: later values refer to it.
-        "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items()))],
+        "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items())), *WRITABLE_ENV],
         "ports": [{"name": "engine-http", "containerPort": ENGINE_PORT}],
         "resources": _resources(engine.resources),
-        "volumeMounts": mounts,
+        "volumeMounts": [*mounts, *WRITABLE_MOUNTS],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
         # The engine must outlive the llumlet's drain: migrations read its KV cache.
         "lifecycle": {"preStop": _drain_hook(config)},
     }
@@ -187,12 +195,14 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "env": [
             POD_IP_VAR,
             {"name": INSTANCE_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            *WRITABLE_ENV,
         ],
         "ports": [
             {"name": "llumlet-http", "containerPort": LLUMLET_HTTP_PORT},
             {"name": "llumlet-grpc", "containerPort": LLUMLET_GRPC_PORT},
         ],
-        "volumeMounts": mounts[:1],
+        "volumeMounts": [*mounts[:1], *WRITABLE_MOUNTS],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
         # /health is 503 until the engine answers: a generous start-up window for model loading,
         # then readiness gates the headless Service (and so the router) and liveness restarts a hung pod.
         "startupProbe": _health_probe(5, 180),
@@ -206,9 +216,12 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": config.termination_grace_s,
         "restartPolicy": "Always",
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         "containers": [engine_container, llumlet_container],
-        "volumes": volumes,
+        "volumes": [*volumes, *copy.deepcopy(WRITABLE_VOLUMES)],
     }
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = config.pull_secrets()
     if resources.node_selector:
         pod_spec["nodeSelector"] = dict(resources.node_selector)
     if resources.tolerations:

@@ -16,12 +16,12 @@ from llumnix.control.status import ControlEvent
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
 from llumnix_operator.access import role, role_binding, service_account
 from llumnix_operator.build_config import BuildConfig
-from llumnix_operator.disruption_budget import engine_disruption_budget
+from llumnix_operator.disruption_budget import disruption_budget
 from llumnix_operator.ensure import Ensurer, Outcome
 from llumnix_operator.llumlet_service import llumlets_service
 from llumnix_operator.logs import service_context
 from llumnix_operator.metrics import OPERATOR_METRICS
-from llumnix_operator.naming import owner_reference
+from llumnix_operator.naming import ENGINE, ROUTER, owner_reference
 from llumnix_operator.router import router_deployment, router_service
 from llumnix_operator.service_runner import ServiceRunner
 
@@ -47,7 +47,8 @@ def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[s
         llumlets_service(settings),
         router_deployment(settings, config),
         router_service(settings),
-        engine_disruption_budget(settings),
+        disruption_budget(settings, ENGINE),
+        disruption_budget(settings, ROUTER),
     ]
 
 

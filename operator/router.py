@@ -3,6 +3,7 @@ Service, and the Service clients connect to."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from llumnix.service_spec import ServiceSettings
@@ -15,6 +16,13 @@ from llumnix_operator.naming import (
     router_name,
     selector,
     service_account_name,
+)
+from llumnix_operator.pod_security import (
+    CONTAINER_SECURITY_CONTEXT,
+    POD_SECURITY_CONTEXT,
+    WRITABLE_ENV,
+    WRITABLE_MOUNTS,
+    WRITABLE_VOLUMES,
 )
 
 API_KEYS_DIR = "/etc/llumnix/api-keys"
@@ -59,18 +67,25 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
         "command": ["llumnix"],
         "args": router_args(settings),
         "ports": [{"name": "http", "containerPort": port}],
+        "env": copy.deepcopy(WRITABLE_ENV),
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "volumeMounts": copy.deepcopy(WRITABLE_MOUNTS),
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account_name(name),
         "automountServiceAccountToken": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         "containers": [container],
+        "volumes": copy.deepcopy(WRITABLE_VOLUMES),
     }
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = config.pull_secrets()
     secret = router.api_key_secret
     if secret:
-        container["volumeMounts"] = [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
-        pod_spec["volumes"] = [{"name": "api-keys", "secret": {"secretName": secret}}]
+        container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        pod_spec["volumes"].append({"name": "api-keys", "secret": {"secretName": secret}})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -123,7 +123,7 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
             == set(owned["rolebindings"])
             == {"llama-llumnix"}
         )
-        assert set(owned["poddisruptionbudgets"]) == {"llama-engine"}
+        assert set(owned["poddisruptionbudgets"]) == {"llama-engine", "llama-router"}
         for plural, objects in owned.items():
             for name, obj in objects.items():
                 refs = obj["metadata"].get("ownerReferences") or []

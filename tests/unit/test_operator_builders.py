@@ -9,11 +9,12 @@ import pytest
 from llumnix.service_spec import ServiceSettings, validate_spec
 from llumnix_operator.access import role, role_binding, service_account
 from llumnix_operator.build_config import BuildConfig
-from llumnix_operator.disruption_budget import engine_disruption_budget
+from llumnix_operator.disruption_budget import disruption_budget
 from llumnix_operator.engine_pod import SNAPSHOT_ADDR, engine_pod, engine_pod_template
 from llumnix_operator.handlers import owned_objects
 from llumnix_operator.llumlet_service import llumlets_service
-from llumnix_operator.naming import TEMPLATE_HASH_ANNOTATION, owner_reference
+from llumnix_operator.naming import ENGINE, ROUTER, TEMPLATE_HASH_ANNOTATION, owner_reference
+from llumnix_operator.pod_security import WRITABLE_ENV
 from llumnix_operator.router import router_deployment, router_service
 
 CONFIG = BuildConfig(image="reg/llumnix:1", vllm_image="reg/llumnix-vllm:1", drain_timeout_s=100)
@@ -85,6 +86,7 @@ def test_engine_pod_probes_drain_hook_and_grace() -> None:
     assert llumlet["env"] == [
         pod_ip,
         {"name": "LLUMNIX_INSTANCE_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *WRITABLE_ENV,
     ]
     args = llumlet["args"]
     assert args[args.index("--engine-url") + 1] == "http://127.0.0.1:8000"
@@ -170,7 +172,7 @@ def test_router_finds_llumlets_by_dns_and_mounts_api_keys() -> None:
     assert args[args.index("--instances-dns") + 1] == "llama-llumlets.prod.svc:50051"
     assert args[args.index("--dispatch-policy") + 1] == "infaas++"
     assert args[args.index("--api-keys-file") + 1] == "/etc/llumnix/api-keys/keys"
-    assert pod["spec"]["volumes"] == [{"name": "api-keys", "secret": {"secretName": "keys"}}]
+    assert {"name": "api-keys", "secret": {"secretName": "keys"}} in pod["spec"]["volumes"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     service = router_service(s)
     assert service["spec"]["type"] == "LoadBalancer"
@@ -194,17 +196,24 @@ def test_workload_identity_has_no_token_and_one_read_verb() -> None:
 
 
 def test_disruption_budget_allows_one_engine_down() -> None:
-    pdb = engine_disruption_budget(settings())
+    pdb = disruption_budget(settings(), ENGINE)
     assert pdb["spec"] == {
         "maxUnavailable": 1,
         "selector": {"matchLabels": {"llumnix.io/service": "llama", "app.kubernetes.io/component": "engine"}},
     }
 
 
+def test_disruption_budget_allows_one_router_down() -> None:
+    pdb = disruption_budget(settings(), ROUTER)
+    assert pdb["metadata"]["name"] == "llama-router"
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+
+
 def test_owned_objects_are_namespaced_and_labelled() -> None:
     objects = owned_objects(settings(), CONFIG)
     assert sorted(o["kind"] for o in objects) == [
         "Deployment",
+        "PodDisruptionBudget",
         "PodDisruptionBudget",
         "Role",
         "RoleBinding",
@@ -239,3 +248,30 @@ def test_vllm_device_follows_the_runtime(runtime: str) -> None:
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert ("VLLM_TARGET_DEVICE" in env) == (runtime == "vllm-cpu")
     assert ("--enforce-eager" in engine["args"]) == (runtime == "vllm-cpu")
+
+
+def restricted(pod_spec: dict) -> None:
+    """What Pod Security's "restricted" profile requires of a pod and its containers."""
+    assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod_spec["containers"]:
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False, container["name"]
+        assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/tmp", "/var/lib/llumnix"} <= mounts, container["name"]  # caches on emptyDirs
+        assert {"name": "HOME", "value": "/var/lib/llumnix"} in container["env"]
+
+
+def test_every_pod_the_operator_creates_is_restricted() -> None:
+    restricted(engine_pod(settings(), CONFIG)["spec"])
+    restricted(router_deployment(settings(), CONFIG)["spec"]["template"]["spec"])
+
+
+def test_image_pull_secrets_reach_every_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLUMNIX_IMAGE_PULL_SECRETS", "regcred,mirror")
+    config = BuildConfig.from_env()
+    expected = [{"name": "regcred"}, {"name": "mirror"}]
+    assert engine_pod(settings(), config)["spec"]["imagePullSecrets"] == expected
+    assert router_deployment(settings(), config)["spec"]["template"]["spec"]["imagePullSecrets"] == expected
+    assert "imagePullSecrets" not in engine_pod(settings(), CONFIG)["spec"]

@@ -31,7 +31,8 @@ def render(values: dict | None = None) -> list[dict]:
         rendered = chart.render(values or {}, name="rel", namespace="llumnix")
     finally:
         chart.close()
-    return [doc for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+    return [doc for path, text in rendered.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
 
 
 def validate(manifest: dict) -> None:
@@ -151,3 +152,56 @@ def test_monitoring_objects_and_dashboards_when_asked() -> None:
 def test_monitoring_off_renders_no_monitoring_objects() -> None:
     kinds = {d["kind"] for d in render({"monitoring": {"enabled": False}, "dashboards": {"enabled": False}})}
     assert not kinds & {"PodMonitor", "PrometheusRule", "ConfigMap"}
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"operator": {"replicas": -1}}, "/operator/replicas"),
+        ({"operator": {"logLevel": "loud"}}, "/operator/logLevel"),
+        ({"monitoring": {"enabled": "sometimes"}}, "/monitoring/enabled"),
+        ({"imagePullSecrets": ["regcred"]}, "/imagePullSecrets/0"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ],
+)
+def test_bad_values_fail_the_install_naming_the_field(values: dict, field: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    try:
+        with pytest.raises(helm.HelmValuesError, match=f"at '{field}'"):
+            chart.render(values, name="rel", namespace="llumnix", is_install=True)
+        with pytest.raises(helm.HelmValuesError, match="additional properties 'typo' not allowed"):
+            chart.render({"typo": 1}, name="rel", namespace="llumnix", is_install=True)
+    finally:
+        chart.close()
+
+
+def test_operator_pod_is_restricted_and_takes_scheduling_and_pull_secrets() -> None:
+    docs = render({
+        "imagePullSecrets": [{"name": "regcred"}],
+        "operator": {"affinity": {"nodeAffinity": {}}, "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "llumnix-operator"}}}]},
+    })
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    validate(deployment)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = pod["containers"][0]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"name": "LLUMNIX_IMAGE_PULL_SECRETS", "value": "regcred"} in container["env"]
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_notes_say_how_to_reach_the_service_and_the_dashboards() -> None:
+    chart = helm.Chart.load(str(CHART))
+    try:
+        notes = chart.render({"dashboards": {"enabled": True}}, name="rel", namespace="llumnix")
+    finally:
+        chart.close()
+    text = next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
+    assert "kubectl get llms" in text and "port-forward svc/NAME-router" in text
+    assert "Llumnix / Service" in text and "grafana_dashboard=1" in text
