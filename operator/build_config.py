@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from llumnix import __version__
+from llumnix_operator.network_policy import NETWORK_POLICY_ENV, NetworkPolicyConfig
 
 IMAGE_ENV = "LLUMNIX_IMAGE"
 VLLM_IMAGE_ENV = "LLUMNIX_VLLM_IMAGE"
@@ -23,6 +24,8 @@ class BuildConfig:
     """How long a pod being deleted may take to migrate its requests away."""
     image_pull_secrets: tuple[str, ...] = ()
     """Secrets (in each LLMService's namespace) the engine and router pods pull their images with."""
+    network_policy: NetworkPolicyConfig | None = None
+    """None: the engine pods get no NetworkPolicy."""
 
     @property
     def termination_grace_s(self) -> int:
@@ -38,6 +41,9 @@ class BuildConfig:
             image_pull_secrets=tuple(
                 name for name in os.environ.get(IMAGE_PULL_SECRETS_ENV, "").split(",") if name
             ),
+            network_policy=NetworkPolicyConfig.from_json(os.environ[NETWORK_POLICY_ENV])
+            if os.environ.get(NETWORK_POLICY_ENV)
+            else None,
         )
 
     def pull_secrets(self) -> list[dict[str, str]]:

@@ -34,6 +34,9 @@ _KINDS: dict[tuple[str, str], _Kind] = {
     ("v1", "Service"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service"),
     ("v1", "ServiceAccount"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service_account"),
     ("apps/v1", "Deployment"): _Kind(kubernetes.client.AppsV1Api, "namespaced_deployment"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): _Kind(
+        kubernetes.client.NetworkingV1Api, "namespaced_network_policy"
+    ),
     ("policy/v1", "PodDisruptionBudget"): _Kind(
         kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"
     ),

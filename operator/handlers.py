@@ -22,6 +22,7 @@ from llumnix_operator.llumlet_service import llumlets_service
 from llumnix_operator.logs import service_context
 from llumnix_operator.metrics import OPERATOR_METRICS
 from llumnix_operator.naming import ENGINE, ROUTER, owner_reference
+from llumnix_operator.network_policy import engine_network_policy
 from llumnix_operator.router import router_deployment, router_service
 from llumnix_operator.service_runner import ServiceRunner
 
@@ -40,7 +41,7 @@ def api_client() -> kubernetes.client.ApiClient:
 
 def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[str, Any]]:
     """Everything an LLMService owns besides its engine pods (the control loop creates those)."""
-    return [
+    objects = [
         service_account(settings),
         role(settings),
         role_binding(settings),
@@ -50,6 +51,9 @@ def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[s
         disruption_budget(settings, ENGINE),
         disruption_budget(settings, ROUTER),
     ]
+    if config.network_policy is not None:
+        objects.append(engine_network_policy(settings, config.network_policy))
+    return objects
 
 
 def ensure_owned(

@@ -87,6 +87,7 @@ def test_operator_role_grants_what_the_operator_does() -> None:
             "ServiceAccount": "serviceaccounts",
             "Deployment": "deployments",
             "PodDisruptionBudget": "poddisruptionbudgets",
+            "NetworkPolicy": "networkpolicies",
             "Role": "roles",
             "RoleBinding": "rolebindings",
         }[kind]
@@ -205,3 +206,33 @@ def test_notes_say_how_to_reach_the_service_and_the_dashboards() -> None:
     text = next(v for k, v in notes.items() if k.endswith("NOTES.txt"))
     assert "kubectl get llms" in text and "port-forward svc/NAME-router" in text
     assert "Llumnix / Service" in text and "grafana_dashboard=1" in text
+
+
+def test_network_policy_lets_only_routers_peers_operator_and_prometheus_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = render({"networkPolicy": {
+        "enabled": True,
+        "prometheusNamespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}})
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    monkeypatch.setenv("LLUMNIX_NETWORK_POLICY", env["LLUMNIX_NETWORK_POLICY"])
+    config = BuildConfig.from_env()
+    settings = ServiceSettings("llama", "prod", validate_spec({"model": {"name": "llama"}}))
+    policy = next(o for o in owned_objects(settings, config) if o["kind"] == "NetworkPolicy")
+    validate(policy)
+    same_service, operator, prometheus = policy["spec"]["ingress"]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in same_service["from"]] == [
+        "router", "engine"]
+    namespace = operator["from"][0]["namespaceSelector"]["matchLabels"]
+    assert namespace == {"kubernetes.io/metadata.name": "llumnix"}
+    assert operator["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "llumnix-operator"
+    assert prometheus == {
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {}}],
+        "ports": [{"port": "llumlet-http"}],
+    }
+    # the ports it names are the engine pod's
+    pod_ports = {p["name"] for c in engine_pod(settings, config)["spec"]["containers"] for p in c["ports"]}
+    assert {"llumlet-grpc", "llumlet-http"} <= pod_ports
+    assert not any(o["kind"] == "NetworkPolicy" for o in owned_objects(settings, BuildConfig()))
