@@ -56,6 +56,17 @@ def _obj(properties: dict, required: list[str] | None = None, desc: str = "") ->
     return schema
 
 
+def _container_resources(cpu: str, memory: str, desc: str) -> dict:
+    """CPU request and memory request = limit of a container the operator adds (router, llumlet)."""
+    return _obj(
+        {
+            "cpu": {"type": "string", "default": cpu, "description": "CPU request, e.g. 500m"},
+            "memory": {"type": "string", "default": memory, "description": "memory request and limit"},
+        },
+        desc=desc,
+    )
+
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     {
         "model": _obj(
@@ -188,6 +199,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "default": "ClusterIP",
                 },
                 "apiKeySecret": {"type": "string", "description": "Secret whose `keys` entry lists API keys"},
+                "resources": _container_resources("500m", "512Mi", "the router container's (cluster mode)"),
+            }
+        ),
+        "llumlet": _obj(
+            {
+                "resources": _container_resources(
+                    "500m", "512Mi", "the llumlet sidecar's in each engine pod (cluster mode); every "
+                    "token crosses it, so it needs a share of a core of its own"
+                ),
             }
         ),
     },
@@ -287,6 +307,12 @@ class EngineResources:
 
 
 @dataclass(frozen=True)
+class ContainerResources:
+    cpu: str
+    memory: str
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     runtime: str
     image: str | None
@@ -340,6 +366,7 @@ class RouterSpec:
     port: int
     service_type: str
     api_key_secret: str | None
+    resources: ContainerResources
 
 
 @dataclass(frozen=True)
@@ -354,6 +381,7 @@ class ServiceSpec:
     autoscaling: AutoscalingSpec
     priorities: PrioritiesSpec
     router: RouterSpec
+    llumlet_resources: ContainerResources
 
     @classmethod
     def from_validated(cls, spec: dict) -> ServiceSpec:
@@ -387,7 +415,8 @@ class ServiceSpec:
                 scale_down_stabilization_s=autoscaling["scaleDownStabilizationSeconds"]),
             priorities=PrioritiesSpec(spec["priorities"]["targetLoadTokens"], spec["priorities"]["header"]),
             router=RouterSpec(router["replicas"], router["port"], router["serviceType"],
-                              router.get("apiKeySecret")),
+                              router.get("apiKeySecret"), ContainerResources(**router["resources"])),
+            llumlet_resources=ContainerResources(**spec["llumlet"]["resources"]),
         )
 
 

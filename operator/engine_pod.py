@@ -14,6 +14,7 @@ from typing import Any
 from llumnix.launch.engine_process import EngineLaunchConfig, build_command
 from llumnix.service_spec import EngineResources, ModelSource, ModelSpec, ServiceSettings, ServiceSpec
 from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.container_resources import container_resources
 from llumnix_operator.naming import (
     ENGINE,
     ENGINE_PORT,
@@ -201,6 +202,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
             {"name": "llumlet-http", "containerPort": LLUMLET_HTTP_PORT},
             {"name": "llumlet-grpc", "containerPort": LLUMLET_GRPC_PORT},
         ],
+        "resources": container_resources(spec.llumlet_resources),
         "volumeMounts": [*mounts[:1], *WRITABLE_MOUNTS],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
         # /health is 503 until the engine answers: a generous start-up window for model loading,

@@ -8,6 +8,7 @@ from typing import Any
 
 from llumnix.service_spec import ServiceSettings
 from llumnix_operator.build_config import BuildConfig
+from llumnix_operator.container_resources import container_resources
 from llumnix_operator.llumlet_service import llumlets_dns_name
 from llumnix_operator.naming import (
     LLUMLET_GRPC_PORT,
@@ -67,6 +68,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
         "command": ["llumnix"],
         "args": router_args(settings),
         "ports": [{"name": "http", "containerPort": port}],
+        "resources": container_resources(router.resources),
         "env": copy.deepcopy(WRITABLE_ENV),
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},

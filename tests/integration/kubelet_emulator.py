@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,12 +68,12 @@ class Kubelet:
         return f"127.0.{1 + n // 250}.{n % 250 + 1}"
 
     def _translate(self, word: str, pod: FakePod, mounts: dict[str, Path], env: dict[str, str]) -> str:
+        if mounts:  # one pass, longest mount first: a local path (itself under /tmp) is not rewritten again
+            pattern = "|".join(re.escape(m) for m in sorted(mounts, key=len, reverse=True))
+            word = re.sub(f"({pattern})(?=/|$)", lambda m: str(mounts[m.group(1)]), word)
         for name, value in env.items():  # $(VAR) references, as the kubelet expands them
             word = word.replace(f"$({name})", value)
-        word = word.replace("127.0.0.1", pod.ip).replace("0.0.0.0", pod.ip)
-        for mount, local in mounts.items():
-            word = word.replace(mount, str(local))
-        return word
+        return word.replace("127.0.0.1", pod.ip).replace("0.0.0.0", pod.ip)
 
     def _argv(self, argv: list[str], pod: FakePod, mounts: dict[str, Path], env: dict[str, str]) -> list[str]:
         head = {"python": [sys.executable], "llumnix": [sys.executable, "-m", "llumnix.cli"]}

@@ -275,3 +275,17 @@ def test_image_pull_secrets_reach_every_pod(monkeypatch: pytest.MonkeyPatch) -> 
     assert engine_pod(settings(), config)["spec"]["imagePullSecrets"] == expected
     assert router_deployment(settings(), config)["spec"]["template"]["spec"]["imagePullSecrets"] == expected
     assert "imagePullSecrets" not in engine_pod(settings(), CONFIG)["spec"]
+
+
+def test_router_and_llumlet_get_resources_from_the_spec_defaults() -> None:
+    default = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "512Mi"}}
+    pod = engine_pod(settings(), CONFIG)
+    llumlet = next(c for c in pod["spec"]["containers"] if c["name"] == "llumlet")
+    assert llumlet["resources"] == default
+    router = router_deployment(settings(), CONFIG)["spec"]["template"]["spec"]["containers"][0]
+    assert router["resources"] == default
+    s = settings(router={"resources": {"cpu": "2", "memory": "1Gi"}}, llumlet={"resources": {"cpu": "1"}})
+    assert router_deployment(s, CONFIG)["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    llumlet = next(c for c in engine_pod(s, CONFIG)["spec"]["containers"] if c["name"] == "llumlet")
+    assert llumlet["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
