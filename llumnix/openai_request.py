@@ -4,10 +4,10 @@ prompt-length estimate the fronts use before an engine reports the exact length.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from llumnix.openai_stream import EndpointKind, openai_error
@@ -58,8 +58,10 @@ async def read_json_body(request: web.Request, max_bytes: int) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise OpenAIRequestError(413, f"request body exceeds {max_bytes} bytes") from None
     try:
-        return json.loads(raw)
-    except ValueError as exc:
+        # orjson refuses integers beyond 64 bits, which no field may hold (and which it could not
+        # write again for the next hop).
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise OpenAIRequestError(400, f"request body is not valid JSON: {exc}") from None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from llumnix.openai_request import Handler, OpenAIRequestError, add_openai_routes, read_json_body
-from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler
+from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler, openai_error
 from llumnix.router.api_keys import ApiKeyChecker
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
 from llumnix.router.dispatcher import DispatchQueue
@@ -22,11 +22,12 @@ from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest, Generation, GenerationLimits
 from llumnix.router.instances import InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.router.openapi import openapi_document
 from llumnix.router.stream_format import StreamFormat, sse_event
 
 logger = logging.getLogger("llumnix.router.api")
 
-UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,22 @@ def error_response(error: OpenAIRequestError) -> web.Response:
     return web.json_response(error.body, status=error.status, headers=headers)
 
 
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method) and anything unforeseen, in OpenAI's shape:
+    a client never gets a plain-text error or a stack trace."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return web.json_response(openai_error(exc.status, exc.reason), status=exc.status, headers=headers)
+    except Exception:
+        logger.exception("request failed in the router", extra={"path": request.path})
+        return web.json_response(openai_error(500, "the router failed serving the request"), status=500)
+
+
 class RouterApi:
     def __init__(self, settings: ApiSettings, queue: DispatchQueue, instances: InstanceSet,
                  metrics: RouterMetrics, api_keys: ApiKeyChecker) -> None:
@@ -58,7 +75,9 @@ class RouterApi:
         self.idle.set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.limits.max_body_bytes, middlewares=[self._auth])
+        app = web.Application(client_max_size=self.settings.limits.max_body_bytes,
+                              middlewares=[_openai_errors, self._auth])
+        app.router.add_get("/openapi.json", self._openapi)
         return add_openai_routes(app, self._serve, self._models, self._health, self._metrics)
 
     @web.middleware
@@ -172,6 +191,10 @@ class RouterApi:
         except ConnectionResetError:
             status = 499  # the client went away; closing the generator aborts the request
         return response, status
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        settings = self.settings
+        return web.json_response(openapi_document(settings.model, settings.limits, settings.priorities))
 
     async def _models(self, request: web.Request) -> web.Response:
         model: dict[str, Any] = {"id": self.settings.model, "object": "model", "created": int(time.time()),
