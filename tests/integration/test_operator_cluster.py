@@ -22,6 +22,7 @@ from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
 
 from llumnix_operator import handlers
+from llumnix_operator.metrics import OPERATOR_METRICS
 
 pytestmark = pytest.mark.slow
 G, V, P, NS = "llumnix.io", "v1alpha1", "llmservices", "default"
@@ -178,3 +179,85 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
+    """Built-in autoscaling: a load spike drops the aggregate freeness below scaleUpBelow and the
+    operator creates pods (publishing spec.replicas); when the load falls the aggregate freeness with
+    one instance removed exceeds scaleDownAbove, and the freest pod is drained and deleted. No client
+    request fails; status, events and the operator's metrics show each step."""
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url))
+    custom = kubernetes.client.CustomObjectsApi(api)
+
+    def live() -> dict:
+        return cluster.emulator.live("llmservices").get("auto", {})
+
+    def ready() -> int:
+        return ((live().get("status") or {}).get("instances") or {}).get("ready", 0)
+
+    def engine_pods() -> set[str]:
+        return {n for n in cluster.emulator.live("pods") if n.startswith("auto-engine-")}
+
+    def scaling_events(direction: str, reason: str) -> float:
+        return OPERATOR_METRICS.registry.get_sample_value(
+            "llumnix_operator_scaling_events_total",
+            {"llmservice_namespace": NS, "llmservice": "auto", "direction": direction, "reason": reason},
+        ) or 0.0
+
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 5
+    replicas_seen: list[int] = []
+    with (
+        Kubelet(cluster.url) as kubelet,
+        KopfRunner(
+            ["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"],
+            settings=settings,
+            timeout=120,
+        ) as runner,
+    ):
+        custom.create_namespaced_custom_object(G, V, NS, P, {
+            "apiVersion": f"{G}/{V}",
+            "kind": "LLMService",
+            "metadata": {"name": "auto"},
+            "spec": {
+                "model": {"name": "sim"},
+                "instances": {"min": 1, "max": 3},
+                # 64 blocks of 16 tokens: six 139-token requests nearly fill one instance
+                "engine": {"runtime": "sim", "resources": {"gpus": 0}, "args": ["--num-blocks", "64"]},
+                "migration": {"intervalMs": 200},
+                "autoscaling": {"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 40,
+                                "intervalSeconds": 1, "scaleDownStabilizationSeconds": 3,
+                                "startupGraceSeconds": 120},
+            },
+        })
+        wait_for(lambda: ready() == 1, 120, "the first instance")
+        wait_for(lambda: "auto-router" in kubelet.routers, 30, "the router")
+        url = kubelet.router_url("auto-router", 8000)
+        wait_for(lambda: _healthy(url), 60, "the router's /health")
+
+        with Load(url, clients=8) as load:
+            def scaled_up() -> bool:
+                replicas_seen.append((live().get("spec") or {}).get("replicas", 0))
+                return ready() >= 2 and len(engine_pods()) >= 2
+            wait_for(scaled_up, 180, "a scale-up by the autoscaler")
+            assert max(replicas_seen) >= 2  # the loop's count, published to the /scale subresource
+            decision = live()["status"]["lastScaling"]
+            assert decision["action"] == "scale-up" and decision["aggregateFreeness"] < 10, decision
+            wait_for(lambda: load.ok >= 10, 120, "requests served after the scale-up")
+        peak = len(engine_pods())
+
+        with Load(url, clients=1) as trickle:  # the load falls: one client
+            wait_for(lambda: len(engine_pods()) < peak, 180, "a drained pod deleted")
+            wait_for(lambda: trickle.ok >= 3, 60, "requests after the scale-down")
+        status = live()["status"]
+        reasons = [e.get("reason") for e in cluster.emulator.live("events").values()]
+        assert {"ScaledUp", "Draining", "Released"} <= set(reasons), reasons
+        assert kubelet.errors == []
+    assert runner.exception is None, runner.output
+    assert load.failures == [] and trickle.failures == [], (load.failures + trickle.failures)[:5]
+    assert (live().get("spec") or {}).get("replicas", 0) < peak
+    assert status["lastScaling"]["action"] in ("drain", "release"), status["lastScaling"]
+    assert scaling_events("up", "ScaledUp") >= 1 and scaling_events("down", "Released") >= 1
+    print(f"\n[autoscale] peak {peak} pods, {load.ok + trickle.ok} requests ok, "
+          f"migrations {status['migrations']}, last {status['lastScaling']}")
