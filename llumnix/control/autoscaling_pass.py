@@ -22,6 +22,8 @@ class AutoscalingPass:
         self.target: int | None = None
         """The instance count autoscaling wants (None: not yet adopted)."""
         self._scale_down_wanted_since: float | None = None
+        self._last_aggregate: float | None = None
+        """The previous decision's aggregate freeness: how fast it falls sets how early to scale up."""
 
     def adopt_target(self) -> None:
         """Start from the serving count found (instances starting or READY, not draining)."""
@@ -38,7 +40,8 @@ class AutoscalingPass:
             return False  # a READY instance without a load yet: decide on the whole picture only
         config = settings.autoscaling
         action = autoscaling.decide(loads, self.fleet.count(InstancePhase.STARTING), config,
-                                    settings.load_model)
+                                    settings.load_model, self._last_aggregate)
+        self._last_aggregate = action.aggregate_freeness
         if action.kind != "drain":
             self._scale_down_wanted_since = None
         if action.kind == "scale-up":

@@ -1,8 +1,9 @@
 """Autoscaling policy: the cluster's aggregate freeness against two bounds.
 
-- Below `scale_up_below`: start one instance (up to `max_instances`). Instances still starting
-  count with their empty capacity: another one starts only while the cluster would still be below
-  the bound with them serving, so a slow start-up neither triggers a stampede nor, as a rule of
+- Below `scale_up_below`, now or one start-up delay ahead at the rate it fell over the last
+  interval: start one instance (up to `max_instances`). Instances still starting count with their
+  empty capacity: another one starts only while the cluster would still be below the bound with them
+  serving, so a slow start-up neither triggers a stampede nor, as a rule of
   one start-up at a time did, holds a growing backlog to one new instance per start-up delay.
 - Above `scale_down_above` even with one instance's capacity removed: pick the freest instance
   (ties: fewest requests), mark it draining; migration empties it; once empty it is released.
@@ -28,8 +29,8 @@ class AutoscalingConfig:
     max_instances: int = 16
     interval_s: float = 10.0
     startup_delay_s: float = 30.0
-    """Time from starting an instance until it serves (the simulator's model; real backends report
-    readiness themselves)."""
+    """Time from starting an instance until it serves: the simulator's model, and how far ahead a
+    falling aggregate freeness is projected (the control loop uses `startupGraceSeconds`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_instances <= self.max_instances:
@@ -69,30 +70,50 @@ def _short_with_starting(
     return aggregate_freeness(serving, model, added_blocks=starting * per_instance) < config.scale_up_below
 
 
+def projected_freeness(
+    aggregate: float, previous_aggregate: float | None, config: AutoscalingConfig
+) -> float:
+    """The aggregate freeness one start-up delay ahead, if it keeps falling as it did over the last
+    decision interval (never above the current value: a rise does not postpone a scale-up).
+
+    Only within the bounds: above `scale_down_above` the cluster is far from short, and freeness
+    (headroom divided by a small batch) swings by hundreds as a few requests come and go there."""
+    if previous_aggregate is None or aggregate >= previous_aggregate or aggregate > config.scale_down_above:
+        return aggregate
+    slope = (aggregate - previous_aggregate) / config.interval_s
+    return aggregate + slope * config.startup_delay_s
+
+
 def decide(
     loads: Sequence[InstanceLoad],
     starting: int,
     config: AutoscalingConfig = AutoscalingConfig(),
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
+    previous_aggregate: float | None = None,
 ) -> ScalingAction:
-    """One autoscaling step over the serving and draining instances plus `starting` ones."""
+    """One autoscaling step over the serving and draining instances plus `starting` ones.
+
+    `previous_aggregate` is the aggregate freeness of the previous decision (its action's
+    `aggregate_freeness`): a falling aggregate scales up once it would cross the lower bound within
+    one start-up delay, so the new instance serves when the cluster gets short, not a start-up delay
+    after."""
     serving = [load for load in loads if not load.draining]
     draining = sorted(load.instance_id for load in loads if load.draining)
     empty = sorted(load.instance_id for load in loads if load.draining and load.num_requests == 0)
     agg = aggregate_freeness(serving, model)
+    ahead = projected_freeness(agg, previous_aggregate, config)
 
     if empty:
         return ScalingAction("release", empty[0], "drained instance is empty", agg)
     if len(serving) + starting < config.min_instances:
         return ScalingAction("scale-up", None, f"fewer than min_instances={config.min_instances}", agg)
-    if agg < config.scale_up_below:
+    if ahead < config.scale_up_below:
+        falling = f"aggregate freeness {agg:.1f}, {ahead:.1f} one start-up ahead"
         if draining:
-            return ScalingAction("cancel-drain", draining[0], f"aggregate freeness {agg:.1f} fell again", agg)
+            return ScalingAction("cancel-drain", draining[0], f"{falling}, fell again", agg)
         room = len(serving) + starting < config.max_instances
         if room and _short_with_starting(serving, starting, config, model):
-            return ScalingAction(
-                "scale-up", None, f"aggregate freeness {agg:.1f} < {config.scale_up_below}", agg
-            )
+            return ScalingAction("scale-up", None, f"{falling} < {config.scale_up_below}", agg)
         return ScalingAction("none", None, "scale-up pending or at max_instances", agg)
     if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
         victim = drain_candidate(serving, model)

@@ -98,6 +98,7 @@ class Cluster:
         self.pending: list[SimRequest] = []
         """Arrived while no instance could take them (all starting or draining)."""
         self._drain_wanted_since: float | None = None
+        self._last_aggregate: float | None = None
         self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -260,7 +261,9 @@ class Cluster:
             len(self.starting),
             scaling,
             self.config.load_model,
+            self._last_aggregate,
         )
+        self._last_aggregate = action.aggregate_freeness
         drain_wanted_for = 0.0
         if action.kind != "drain":
             self._drain_wanted_since = None

@@ -3,7 +3,7 @@
 import pytest
 
 from llumnix.load import InstanceLoad, RequestLoad, aggregate_freeness
-from llumnix.policies.autoscaling import AutoscalingConfig, decide, drain_candidate
+from llumnix.policies.autoscaling import AutoscalingConfig, decide, drain_candidate, projected_freeness
 
 CFG = AutoscalingConfig(scale_up_below=10, scale_down_above=60, min_instances=1, max_instances=4)
 
@@ -107,3 +107,26 @@ def test_config_validation() -> None:
         AutoscalingConfig(min_instances=5, max_instances=2)
     with pytest.raises(ValueError):
         AutoscalingConfig(scale_up_below=60, scale_down_above=10)
+
+
+def test_a_falling_aggregate_scales_up_one_start_up_ahead() -> None:
+    # (200 - 100) / 4 = 25: between the bounds. Ten seconds ago it was 31, so it falls 0.6 per second;
+    # 30 s of start-up ahead it reads 25 - 18 = 7 < 10: start an instance now.
+    loads = [inst("a", 50, 2), inst("b", 50, 2)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+    action = decide(loads, starting=0, config=CFG, previous_aggregate=31.0)
+    assert action.kind == "scale-up" and action.aggregate_freeness == pytest.approx(25.0)
+    # Falling more slowly (from 28: 25 - 9 = 16 ahead) or rising changes nothing.
+    assert decide(loads, starting=0, config=CFG, previous_aggregate=28.0).kind == "none"
+    assert decide(loads, starting=0, config=CFG, previous_aggregate=20.0).kind == "none"
+    assert projected_freeness(25.0, 31.0, CFG) == pytest.approx(7.0)
+    assert projected_freeness(25.0, 20.0, CFG) == 25.0
+    assert projected_freeness(25.0, None, CFG) == 25.0
+
+
+def test_a_falling_aggregate_cancels_a_drain_before_it_is_short() -> None:
+    # c drains and still runs one request (an empty one would be released first).
+    loads = [inst("a", 50, 2), inst("b", 50, 2), inst("c", 10, 1, draining=True)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+    action = decide(loads, starting=0, config=CFG, previous_aggregate=31.0)
+    assert action.kind == "cancel-drain" and action.instance_id == "c"
