@@ -254,3 +254,19 @@ async def test_a_restarted_loop_adopts_what_exists_and_changes_nothing() -> None
     assert first.backend.started == started and first.backend.stopped == []
     assert set(second.loop.draining) == {"i0"}
     assert second.events == []
+
+
+async def test_autoscaling_scales_up_while_the_aggregate_falls_toward_the_bound() -> None:
+    # 100 blocks per instance; default bounds [10, 60], interval 10 s, start-up horizon 60 s (grace).
+    service = settings(instances={"min": 2, "max": 4}, replicas=2, autoscaling={"enabled": True})
+    h = Harness(service)
+    await h.bring_up()
+    h.load("i0", *(request(f"a{k}", 10) for k in range(4)))
+    h.load("i1", *(request(f"b{k}", 10) for k in range(4)))
+    await h.loop.autoscale()  # (200 - 80) / 8 = 15: between the bounds, nothing to do
+    assert h.backend.started == ["i0", "i1"]
+    h.load("i0", *(request(f"a{k}", 12) for k in range(4)))
+    h.load("i1", *(request(f"b{k}", 12) for k in range(4)))
+    await h.loop.autoscale()  # 13 now, falling 0.2/s: 1 a start-up ahead -> start one
+    assert h.backend.started == ["i0", "i1", "i2"]
+    assert h.loop.status().last_decision.kind == "scale-up"
