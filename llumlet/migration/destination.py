@@ -117,7 +117,7 @@ class Destination:
         if not admits(candidate, report.load, self.settings.policy):
             return "", (f"not enough room: {report.load.free_blocks - report.load.reserved_blocks} free "
                         f"blocks, the request holds {request.blocks} and freeness must stay >= "
-                        f"{self.settings.freeness_threshold:g}")
+                        f"{self.settings.policy.destination_freeness:g}")
         return channel, None
 
     def _refuse(self, request: mpb.ProposeMigrationRequest, reason: str) -> mpb.ProposeMigrationResponse:

@@ -47,5 +47,7 @@ class MigrationSettings:
 
     @property
     def policy(self) -> MigrationConfig:
-        return MigrationConfig(freeness_threshold=self.freeness_threshold, select=self.select,
-                               max_concurrent_per_instance=self.max_concurrent)
+        # The destination bound is the policy's (the scale-up bound) unless this llumlet asks for more.
+        bound = max(MigrationConfig().destination_freeness, self.freeness_threshold)
+        return MigrationConfig(freeness_threshold=self.freeness_threshold, destination_freeness=bound,
+                               select=self.select, max_concurrent_per_instance=self.max_concurrent)

@@ -289,3 +289,8 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
         await asyncio.gather(expiry, return_exceptions=True)
         await node.admission.engine.close()
         await runner.cleanup()
+
+
+def test_a_threshold_above_the_policys_destination_bound_raises_it() -> None:
+    assert MigrationSettings().policy.destination_freeness == 10.0  # the policy's (scale-up) bound
+    assert MigrationSettings(freeness_threshold=1e9).policy.destination_freeness == 1e9  # "full"
