@@ -7,6 +7,7 @@ between pods); none may fail."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -20,9 +21,11 @@ import pytest
 from kopf.testing import KopfRunner
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
+from prometheus_client.parser import text_string_to_metric_families
 
 from llumnix_operator import handlers
 from llumnix_operator.metrics import OPERATOR_METRICS
+from llumnix_operator.naming import LLUMLET_HTTP_PORT
 
 pytestmark = pytest.mark.slow
 G, V, P, NS = "llumnix.io", "v1alpha1", "llmservices", "default"
@@ -181,6 +184,58 @@ def _healthy(url: str) -> bool:
         return False
 
 
+DASHBOARDS = Path(__file__).resolve().parents[2] / "charts/llumnix/dashboards"
+ONLY_AFTER_A_FAILURE = {"llumnix_operator_errors_total"}
+"""Dashboard series that exist only once something failed (labelled by stage): none did here."""
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every llumnix_* series a dashboard panel queries (our names all start with llumnix_; no label does)."""
+    names: set[str] = set()
+    for path in DASHBOARDS.glob("*.json"):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel.get("targets", []):
+                names |= set(re.findall(r"\bllumnix_[a-z0-9_]+", target["expr"]))
+    return names
+
+
+class MetricsSampler:
+    """Scrapes the router, every engine pod's llumlet and the operator every second while the test
+    runs, remembering which series had samples (pods come and go, so one scrape at the end would miss
+    the drained pod's migrations)."""
+
+    def __init__(self, kubelet: Kubelet, router_url: str) -> None:
+        self.kubelet = kubelet
+        self.router_url = router_url
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _scrape(self, url: str) -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return  # a pod that just went away
+        self.seen |= {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self._scrape(f"{self.router_url}/metrics")
+            for pod in list(self.kubelet.pods.values()):
+                self._scrape(f"http://{pod.ip}:{LLUMLET_HTTP_PORT}/metrics")
+            text = OPERATOR_METRICS.exposition().decode()
+            self.seen |= {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def __enter__(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
 def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
     """Built-in autoscaling: a load spike drops the aggregate freeness below scaleUpBelow and the
     operator creates pods (publishing spec.replicas); when the load falls the aggregate freeness with
@@ -236,7 +291,7 @@ def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
         url = kubelet.router_url("auto-router", 8000)
         wait_for(lambda: _healthy(url), 60, "the router's /health")
 
-        with Load(url, clients=8) as load:
+        with MetricsSampler(kubelet, url) as sampler, Load(url, clients=8) as load:
             def scaled_up() -> bool:
                 replicas_seen.append((live().get("spec") or {}).get("replicas", 0))
                 return ready() >= 2 and len(engine_pods()) >= 2
@@ -247,7 +302,7 @@ def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
             wait_for(lambda: load.ok >= 10, 120, "requests served after the scale-up")
         peak = len(engine_pods())
 
-        with Load(url, clients=1) as trickle:  # the load falls: one client
+        with MetricsSampler(kubelet, url) as after, Load(url, clients=1) as trickle:  # the load falls
             wait_for(lambda: len(engine_pods()) < peak, 180, "a drained pod deleted")
             wait_for(lambda: trickle.ok >= 3, 60, "requests after the scale-down")
         status = live()["status"]
@@ -259,5 +314,8 @@ def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
     assert (live().get("spec") or {}).get("replicas", 0) < peak
     assert status["lastScaling"]["action"] in ("drain", "release"), status["lastScaling"]
     assert scaling_events("up", "ScaledUp") >= 1 and scaling_events("down", "Released") >= 1
+    # Every series a dashboard queries had data in this run (a scale-up, a drain with migrations).
+    missing = dashboard_metric_names() - sampler.seen - after.seen - ONLY_AFTER_A_FAILURE
+    assert not missing, sorted(missing)
     print(f"\n[autoscale] peak {peak} pods, {load.ok + trickle.ok} requests ok, "
           f"migrations {status['migrations']}, last {status['lastScaling']}")
