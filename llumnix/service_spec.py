@@ -446,6 +446,8 @@ class ServiceSettings:
         m = self.spec.migration
         return MigrationConfig(
             freeness_threshold=m.freeness_threshold,
+            # A threshold above the destination bound raises the bound (as the llumlet's settings do).
+            destination_freeness=max(MigrationConfig().destination_freeness, m.freeness_threshold),
             select=m.select,
             max_concurrent_per_instance=m.max_concurrent_per_instance,
         )

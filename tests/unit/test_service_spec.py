@@ -58,6 +58,11 @@ def test_given_values_are_kept() -> None:
     assert settings.autoscaling.scale_down_above == 50
 
 
+def test_a_migration_threshold_above_the_destination_bound_raises_the_bound() -> None:
+    config = parse_service(manifest(migration={"freenessThreshold": 25})).migration
+    assert config.freeness_threshold == 25 and config.destination_freeness == 25
+
+
 @pytest.mark.parametrize("transport", ["tcp", "nccl"])
 def test_the_migration_transport_reaches_the_llumlet_flags(transport: str) -> None:
     args = parse_service(manifest(migration={"transport": transport})).llumlet_args
