@@ -103,7 +103,9 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
             port = free_port()
             services.append(await start_service("vllm-router", [
                 peer, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", pair.engine_url,
-                "--policy", "round_robin", "--log-level", "warning"], port, work))
+                "--policy", "round_robin", "--log-level", "warning",
+                # its own metrics port, not the fixed default another peer may hold
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())], port, work))
             paths.append(ServedPath("vllm-router", f"http://127.0.0.1:{port}"))
         else:
             print("vllm-router is not installed (pip install '.[bench]'): the peer is left out", flush=True)
