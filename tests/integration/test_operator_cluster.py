@@ -6,6 +6,7 @@ between pods); none may fail."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -90,6 +91,20 @@ class Load:
             thread.join(90)
 
 
+@contextlib.contextmanager
+def operator_and_kubelet(cluster: EmulatedCluster) -> Iterator[tuple[Kubelet, KopfRunner]]:
+    """The fake kubelet and the operator (kopf in a thread) against the emulated API server."""
+    settings = kopf.OperatorSettings()
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 5
+    with (
+        Kubelet(cluster.url) as kubelet,
+        KopfRunner(["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"],
+                   settings=settings, timeout=120) as runner,
+    ):
+        yield kubelet, runner
+
+
 def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) -> None:
     api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url))
     custom = kubernetes.client.CustomObjectsApi(api)
@@ -103,17 +118,7 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
     def engine_pods() -> set[str]:
         return {n for n in cluster.emulator.live("pods") if n.startswith("sim-engine-")}
 
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
-    settings.watching.server_timeout = 5
-    with (
-        Kubelet(cluster.url) as kubelet,
-        KopfRunner(
-            ["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"],
-            settings=settings,
-            timeout=120,
-        ) as runner,
-    ):
+    with operator_and_kubelet(cluster) as (kubelet, runner):
         custom.create_namespaced_custom_object(
             G,
             V,
@@ -259,18 +264,8 @@ def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
             {"llmservice_namespace": NS, "llmservice": "auto", "direction": direction, "reason": reason},
         ) or 0.0
 
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True
-    settings.watching.server_timeout = 5
     replicas_seen: list[int] = []
-    with (
-        Kubelet(cluster.url) as kubelet,
-        KopfRunner(
-            ["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"],
-            settings=settings,
-            timeout=120,
-        ) as runner,
-    ):
+    with operator_and_kubelet(cluster) as (kubelet, runner):
         custom.create_namespaced_custom_object(G, V, NS, P, {
             "apiVersion": f"{G}/{V}",
             "kind": "LLMService",
