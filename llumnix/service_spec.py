@@ -444,13 +444,7 @@ class ServiceSettings:
     @property
     def migration(self) -> MigrationConfig:
         m = self.spec.migration
-        return MigrationConfig(
-            freeness_threshold=m.freeness_threshold,
-            # A threshold above the destination bound raises the bound (as the llumlet's settings do).
-            destination_freeness=max(MigrationConfig().destination_freeness, m.freeness_threshold),
-            select=m.select,
-            max_concurrent_per_instance=m.max_concurrent_per_instance,
-        )
+        return MigrationConfig.with_threshold(m.freeness_threshold, m.select, m.max_concurrent_per_instance)
 
     @property
     def llumlet_args(self) -> list[str]:

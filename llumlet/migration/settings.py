@@ -47,7 +47,4 @@ class MigrationSettings:
 
     @property
     def policy(self) -> MigrationConfig:
-        # The destination bound is the policy's (the scale-up bound) unless this llumlet asks for more.
-        bound = max(MigrationConfig().destination_freeness, self.freeness_threshold)
-        return MigrationConfig(freeness_threshold=self.freeness_threshold, destination_freeness=bound,
-                               select=self.select, max_concurrent_per_instance=self.max_concurrent)
+        return MigrationConfig.with_threshold(self.freeness_threshold, self.select, self.max_concurrent)

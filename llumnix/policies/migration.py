@@ -22,13 +22,15 @@ from dataclasses import dataclass, replace
 from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, RequestLoad, freeness
 
 SELECT_POLICIES = ("last-come", "shortest", "longest")
+DEFAULT_DESTINATION_FREENESS = 10.0
+"""The autoscaler's scale-up bound: a migration destination must stay at or above it."""
 
 
 @dataclass(frozen=True, slots=True)
 class MigrationConfig:
     freeness_threshold: float = 3.0
     """Sources are below it (blocks per batched request)."""
-    destination_freeness: float = 10.0
+    destination_freeness: float = DEFAULT_DESTINATION_FREENESS
     """A destination's freeness with the migrated request added must stay at or above it (the
     autoscaler's scale-up bound: below it an instance's capacity is short)."""
     select: str = "last-come"
@@ -42,6 +44,14 @@ class MigrationConfig:
             raise ValueError("max_concurrent_per_instance must be >= 1")
         if self.destination_freeness < self.freeness_threshold:
             raise ValueError("destination_freeness must be >= freeness_threshold")
+
+    @classmethod
+    def with_threshold(cls, freeness_threshold: float, select: str = "last-come",
+                       max_concurrent_per_instance: int = 1) -> MigrationConfig:
+        """The configuration for a source threshold a user chose: the destination bound stays the
+        default (the scale-up bound) unless the threshold is above it, which raises the bound."""
+        bound = max(DEFAULT_DESTINATION_FREENESS, freeness_threshold)
+        return cls(freeness_threshold, bound, select, max_concurrent_per_instance)
 
 
 @dataclass(frozen=True, slots=True)

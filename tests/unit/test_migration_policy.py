@@ -157,3 +157,10 @@ def test_destinations_below_the_floor_are_not_paired() -> None:
     ]
     with pytest.raises(ValueError):
         MigrationConfig(freeness_threshold=5, destination_freeness=4)
+
+
+def test_a_chosen_threshold_above_the_destination_bound_raises_the_bound() -> None:
+    assert MigrationConfig.with_threshold(3).destination_freeness == MigrationConfig().destination_freeness
+    raised = MigrationConfig.with_threshold(1e9, "shortest", 2)
+    assert raised.destination_freeness == raised.freeness_threshold == 1e9
+    assert (raised.select, raised.max_concurrent_per_instance) == ("shortest", 2)
