@@ -355,7 +355,8 @@ async def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(pairs: Pai
                                                 _body(pair, _prompt(3, 32), 80, stream=True)))
         await _wait_for(lambda: _running_load(pair), 30, "the request to run")
         pair.llumlet.signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
+        # Shutting down, it reports itself draining: from then on it refuses new requests.
+        await _wait_for(lambda: _load_with(pair, lambda load: load.draining), 30, "the llumlet to drain")
         async with session.post(pair.llumlet.http_url + "/v1/completions",
                                 json=_body(pair, [1, 2, 3], 4)) as response:
             assert response.status == 503
