@@ -4,6 +4,7 @@ instance's live load from the engine's snapshots and serves the llumlet gRPC API
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -16,6 +17,9 @@ from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS
 from llumnix.policies.migration import SELECT_POLICIES
+from llumnix.service_token import SERVICE_TOKEN_ENV, ServiceToken
+
+logger = logging.getLogger("llumlet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-transport", choices=TRANSPORTS, default=defaults.transport,
                         help="KV channel of migrations: tcp or nccl refuses a migration over the other, "
                              "auto takes the destination engine's (default: %(default)s)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help=f"serve without a service token when ${SERVICE_TOKEN_ENV} is unset (development "
+                             "only: anyone who reaches the ports can then generate, drain and migrate)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -76,7 +83,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.snapshot_addr:
         print(f"llumlet: --snapshot-addr or ${SNAPSHOT_ADDR_ENV} is required", file=sys.stderr, flush=True)
         return 2
+    # The token comes from the environment (a Secret in a pod, local mode's own): never argv, which `ps`
+    # shows to every user of the machine.
+    token = ServiceToken.from_environment()
+    if token is None and not args.allow_unauthenticated:
+        print(f"llumlet: ${SERVICE_TOKEN_ENV} is required (the service token every caller must present); "
+              "--allow-unauthenticated serves without one, for development", file=sys.stderr, flush=True)
+        return 2
     configure_json_logging(args.instance_id, args.log_level)
+    if token is None:
+        logger.warning("NO SERVICE TOKEN: anyone who reaches this llumlet's ports can generate, drain and "
+                       "migrate (--allow-unauthenticated)")
     try:
         migration = MigrationSettings(
             max_concurrent=args.max_concurrent_migrations, select=args.migration_select,
@@ -99,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         engine_priority_scheduling=args.engine_priority_scheduling,
         high_priority_target_tokens=args.high_priority_target_tokens,
         migration=migration,
+        service_token=token,
     )
     try:
         uvloop.run(Llumlet(config).serve_until_signal())

@@ -12,11 +12,13 @@ from typing import Any
 from aiohttp import web
 
 from llumlet.admission import Admission, AdmissionError, StreamEvent
+from llumlet.auth import http_middleware
 from llumlet.engine_client import EngineUnavailableError
 from llumlet.health import HealthReporter
 from llumlet.metrics import LlumletMetrics
 from llumnix.openai_request import OpenAIRequestError, add_openai_routes, read_json_body
 from llumnix.openai_stream import EndpointKind, ResponseAssembler, openai_error
+from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumlet.http")
 
@@ -49,14 +51,18 @@ def client_view(payload: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]
 
 
 class HttpFront:
-    def __init__(self, admission: Admission, health: HealthReporter, metrics: LlumletMetrics) -> None:
+    def __init__(self, admission: Admission, health: HealthReporter, metrics: LlumletMetrics,
+                 token: ServiceToken | None) -> None:
+        """`token`: required of every caller but /health and /metrics (None: nobody is asked)."""
         self.admission = admission
         self.health = health
         self.metrics = metrics
+        self.token = token
 
     def app(self) -> web.Application:
-        return add_openai_routes(web.Application(client_max_size=MAX_BODY_BYTES), self._generate,
-                                 self._models, self._health, self._metrics)
+        middlewares = [http_middleware(self.token)] if self.token is not None else []
+        return add_openai_routes(web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares),
+                                 self._generate, self._models, self._health, self._metrics)
 
     async def _generate(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         try:

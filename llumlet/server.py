@@ -13,6 +13,7 @@ import grpc
 from aiohttp import web
 
 from llumlet.admission import Admission
+from llumlet.auth import TokenInterceptor
 from llumlet.engine_client import EngineClient
 from llumlet.engine_monitor import read_snapshots, watch_engine
 from llumlet.grpc_service import LlumletService
@@ -26,6 +27,7 @@ from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
 from llumnix.engine.snapshots import SnapshotSubscriber
 from llumnix.load import LoadModelConfig
+from llumnix.service_token import ServiceToken
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
 
 logger = logging.getLogger("llumlet")
@@ -45,6 +47,8 @@ class LlumletConfig:
     engine_priority_scheduling: bool = False
     high_priority_target_tokens: int = LoadModelConfig().high_priority_target_tokens
     migration: MigrationSettings = field(default_factory=MigrationSettings)
+    service_token: ServiceToken | None = None
+    """Required of every caller (gRPC, and HTTP but /health and /metrics); None: nobody is asked."""
 
 
 class Llumlet:
@@ -73,7 +77,8 @@ class Llumlet:
             asyncio.create_task(watch_engine(self.admission, self.tracker,
                                              self.config.engine_check_interval_s), name="engine-watch"),
         ]
-        self._grpc = grpc.aio.server()
+        token = self.config.service_token
+        self._grpc = grpc.aio.server(interceptors=[TokenInterceptor(token)] if token is not None else None)
         grpc_address = f"{self.config.host}:{self.config.grpc_port}"
         try:
             self.grpc_port = self._grpc.add_insecure_port(grpc_address)
@@ -81,14 +86,14 @@ class Llumlet:
             raise OSError(f"cannot listen on {grpc_address} (gRPC): {exc}") from None
         self.migration = MigrationCoordinator(
             self.config.instance_id, f"{self.config.host}:{self.grpc_port}", self.config.snapshot_addr,
-            self.admission, self.tracker, self.metrics, self.config.migration)
+            self.admission, self.tracker, self.metrics, self.config.migration, token)
         self.migration.start()
         llumlet_pb2_grpc.add_LlumletServicer_to_server(
             LlumletService(self.admission, self.tracker, self.health, self.migration.destination), self._grpc)
         migration_pb2_grpc.add_LlumletMigrationServicer_to_server(
             MigrationService(self.migration.source, self.migration.destination), self._grpc)
         await self._grpc.start()
-        self._http = web.AppRunner(HttpFront(self.admission, self.health, self.metrics).app(),
+        self._http = web.AppRunner(HttpFront(self.admission, self.health, self.metrics, token).app(),
                                    access_log=None, shutdown_timeout=1.0)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port)
@@ -100,7 +105,8 @@ class Llumlet:
         self.http_port = self._http.addresses[0][1]
         logger.info("llumlet started", extra={"http_port": self.http_port, "grpc_port": self.grpc_port,
                                               "engine": self.config.engine_url,
-                                              "snapshots": self.config.snapshot_addr})
+                                              "snapshots": self.config.snapshot_addr,
+                                              "authenticated": token is not None})
 
     async def shutdown(self) -> None:
         """Stops admitting (new requests get 503 and the load reports infinite usage), lets in-flight

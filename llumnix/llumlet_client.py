@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
+from llumnix.service_token import ServiceToken, call_metadata
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2, migration_pb2_grpc
 from llumnix.wire import LoadReport, report_from_proto
@@ -30,10 +31,13 @@ MIGRATE_OUT_TIMEOUT_S = 120.0
 
 class LlumletConnection:
     """One llumlet: channel, stubs and the latest load from its `WatchLoad` stream. `on_change` runs
-    after every accepted load and whenever the stream goes down."""
+    after every accepted load and whenever the stream goes down. Every call presents `token` (the
+    service's; `call_metadata` for the calls others make on this channel)."""
 
-    def __init__(self, address: str, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, address: str, on_change: Callable[[], None] = lambda: None, *,
+                 token: ServiceToken | None = None) -> None:
         self.address = address
+        self.call_metadata = call_metadata(token)
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = llumlet_pb2_grpc.LlumletStub(self.channel)
         self.migration_stub = migration_pb2_grpc.LlumletMigrationStub(self.channel)
@@ -77,10 +81,11 @@ class LlumletConnection:
 
     async def set_draining(self, draining: bool) -> pb.SetDrainingResponse:
         request = pb.SetDrainingRequest(draining=draining)
-        return await self.stub.SetDraining(request, timeout=CONTROL_TIMEOUT_S)
+        return await self.stub.SetDraining(request, timeout=CONTROL_TIMEOUT_S, metadata=self.call_metadata)
 
     async def migrate_out(self, request: migration_pb2.MigrateOutRequest) -> migration_pb2.MigrateOutResponse:
-        return await self.migration_stub.MigrateOut(request, timeout=MIGRATE_OUT_TIMEOUT_S)
+        return await self.migration_stub.MigrateOut(request, timeout=MIGRATE_OUT_TIMEOUT_S,
+                                                    metadata=self.call_metadata)
 
     async def _watch(self) -> None:
         backoff = RECONNECT_BACKOFF_S[0]
@@ -88,7 +93,7 @@ class LlumletConnection:
                                       max_interval_ms=WATCH_MAX_INTERVAL_MS)
         while not self.removed:
             try:
-                async for message in self.stub.WatchLoad(request):
+                async for message in self.stub.WatchLoad(request, metadata=self.call_metadata):
                     first = self.report is None or not self.connected()
                     self.observe(report_from_proto(message))
                     if first:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import math
 import signal
 import sys
@@ -33,10 +34,12 @@ from llumnix.control.loop import ControlLoop
 from llumnix.control.migration_pass import outcome_name
 from llumnix.control.status import FREENESS_MEANING, ControlEvent, InstanceStatus, ServiceStatus, headroom
 from llumnix.jsonlog import configure_json_logging
+from llumnix.llumlet_client import LlumletConnection
 from llumnix.router import cli as router_cli
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router, RouterConfig
 from llumnix.service_spec import ServiceSettings, SpecError, load_service_file
+from llumnix.service_token import ServiceToken
 from llumnix.tiny_model import PRESETS, ensure_tiny_model
 from llumnix.traces import TRACE_PRESETS, generate_trace
 
@@ -126,12 +129,16 @@ class LocalService:
                  on_event: Callable[[ControlEvent], None] = print_event) -> None:
         self.service_file = service_file
         self.settings = settings = load_service_file(service_file)
-        self.backend = LocalProcessBackend(settings, work_dir, model_dir)
+        # One credential per run, as the operator keeps one per service: every llumlet requires it and
+        # the router and the control loop present it; it reaches the llumlets in their environment.
+        token = ServiceToken.generate()
+        self.backend = LocalProcessBackend(settings, work_dir, model_dir, token=token)
         max_model_len = pair_config(settings, "check", work_dir, model_dir).max_model_len
         self.source = ListInstanceSource()
-        self.router = Router(router_config(service_file, host, port, max_model_len, dispatch_policy),
-                             self.source)
+        self.router = Router(replace(router_config(service_file, host, port, max_model_len, dispatch_policy),
+                                     service_token=token), self.source)
         self.loop = ControlLoop(settings, self.backend, on_event=on_event,
+                                connect=functools.partial(LlumletConnection, token=token),
                                 on_addresses=self.source.set_addresses)
         self.admin = web.AppRunner(admin_app(self.loop), access_log=None)
         self.admin_host, self.admin_port = host, admin_port

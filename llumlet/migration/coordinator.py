@@ -16,6 +16,7 @@ from llumlet.migration.engine_link import EngineLink
 from llumlet.migration.settings import MigrationSettings
 from llumlet.migration.source import Source
 from llumnix.engine.handshake import default_handshake_path, read_handshake
+from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumlet.migration")
 
@@ -38,13 +39,15 @@ class HandshakeFile:
 
 class MigrationCoordinator:
     def __init__(self, instance_id: str, address: str, snapshot_addr: str, admission: Admission,
-                 tracker: LoadTracker, metrics: LlumletMetrics, settings: MigrationSettings) -> None:
+                 tracker: LoadTracker, metrics: LlumletMetrics, settings: MigrationSettings,
+                 token: ServiceToken | None) -> None:
+        """`token`: what this llumlet presents to its peers (the service's, which they require)."""
         self.link = EngineLink(snapshot_addr)
         handshake = HandshakeFile(default_handshake_path(snapshot_addr))
         self.destination = Destination(instance_id, admission, tracker, self.link, handshake, settings,
                                        metrics)
         self.source = Source(instance_id, address, admission, tracker, self.link, handshake, settings,
-                             metrics, incoming=lambda: len(self.destination.reservations))
+                             metrics, incoming=lambda: len(self.destination.reservations), token=token)
         self.destination.outgoing = lambda: len(self.source.active)
         self._expiry: asyncio.Task[None] | None = None
 

@@ -33,6 +33,7 @@ from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
 from llumnix.load import blocks_for_tokens
 from llumnix.policies.migration import select_request
+from llumnix.service_token import ServiceToken, call_metadata
 from llumnix.v1 import llumlet_pb2
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.kv_transfer_pb2 import (
@@ -86,10 +87,11 @@ class _Progress:
 
 
 class PeerStubs:
-    """One channel per peer llumlet."""
+    """One channel per peer llumlet; every call carries `metadata` (the service token)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: ServiceToken | None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.metadata = call_metadata(token)
 
     def stub(self, address: str) -> LlumletMigrationStub:
         channel = self._channels.get(address)
@@ -106,7 +108,8 @@ class PeerStubs:
 class Source:
     def __init__(self, instance_id: str, address: str, admission: Admission, tracker: LoadTracker,
                  link: EngineLink, handshake: Callable[[], dict[str, object] | None],
-                 settings: MigrationSettings, metrics: LlumletMetrics, incoming: Callable[[], int]) -> None:
+                 settings: MigrationSettings, metrics: LlumletMetrics, incoming: Callable[[], int],
+                 token: ServiceToken | None) -> None:
         self.instance_id = instance_id
         self.address = address
         self.admission = admission
@@ -116,7 +119,7 @@ class Source:
         self.settings = settings
         self.metrics = metrics
         self.incoming = incoming
-        self.peers = PeerStubs()
+        self.peers = PeerStubs(token)
         self.active: set[str] = set()
 
     # ----- choosing
@@ -251,7 +254,8 @@ class Source:
             blocks=blocks_for_tokens(tokens, self._block_size()), handshake_json=json.dumps(handshake),
             lease_ms=int(self.settings.lease_s * 1000), transport=self.settings.transport)
         try:
-            answer = await progress.destination.Propose(proposal, timeout=self.settings.peer_timeout_s)
+            answer = await progress.destination.Propose(proposal, timeout=self.settings.peer_timeout_s,
+                                                         metadata=self.peers.metadata)
         except grpc.aio.AioRpcError as exc:
             reason = f"the destination did not answer: {exc.code().name} {exc.details()}"
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_REFUSED, reason) from None
@@ -297,7 +301,7 @@ class Source:
                 renewed = await progress.destination.Renew(
                     mpb.RenewMigrationRequest(migration_id=progress.migration_id, stages=progress.stages,
                                               staged_tokens=progress.staged_tokens),
-                    timeout=self.settings.peer_timeout_s)
+                    timeout=self.settings.peer_timeout_s, metadata=self.peers.metadata)
             except grpc.aio.AioRpcError as exc:
                 raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                       f"the destination is gone: {exc.code().name}") from None
@@ -371,7 +375,7 @@ class Source:
                     migration_id=progress.migration_id, prompt_token_ids=record.prompt_token_ids,
                     generated_token_ids=record.generated_token_ids.get(0, []),
                     staged_tokens=progress.staged_tokens),
-                timeout=self.settings.commit_timeout_s)
+                timeout=self.settings.commit_timeout_s, metadata=self.peers.metadata)
         except grpc.aio.AioRpcError as exc:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the commit failed: {exc.code().name} {exc.details()}") from None
@@ -393,7 +397,7 @@ class Source:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await progress.destination.Abort(
                     mpb.AbortMigrationRequest(migration_id=progress.migration_id, reason=reason),
-                    timeout=self.settings.peer_timeout_s)
+                    timeout=self.settings.peer_timeout_s, metadata=self.peers.metadata)
 
     async def close(self) -> None:
         await self.peers.close()

@@ -9,12 +9,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llumnix.control.backend import InstanceBackend, InstanceInfo, InstancePhase
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.service_spec import ServiceSettings, SpecError
+from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumnix.control.local")
 
@@ -78,8 +79,11 @@ def pair_config(settings: ServiceSettings, instance_id: str, work_dir: Path, mod
 
 
 class LocalProcessBackend(InstanceBackend):
-    def __init__(self, settings: ServiceSettings, work_dir: Path, model_dir: Path | None = None) -> None:
+    def __init__(self, settings: ServiceSettings, work_dir: Path, model_dir: Path | None = None, *,
+                 token: ServiceToken | None = None) -> None:
+        """`token`: the llumlets' credential (local mode generates one per run)."""
         self.settings = settings
+        self.token = token
         self.work_dir = work_dir
         self.model_dir = model_dir
         self._instances: dict[str, _LocalInstance] = {}
@@ -104,7 +108,8 @@ class LocalProcessBackend(InstanceBackend):
     async def start_instance(self) -> InstanceInfo:
         instance_id = f"{self.settings.name}-{self._next_index}"
         self._next_index += 1
-        config = pair_config(self.settings, instance_id, self.work_dir / instance_id, self.model_dir)
+        config = replace(pair_config(self.settings, instance_id, self.work_dir / instance_id, self.model_dir),
+                         service_token=self.token)
         instance = _LocalInstance(EnginePair(config), time.time())
         self._instances[instance_id] = instance
         instance.starting = asyncio.create_task(self._start(instance), name=f"start {instance_id}")

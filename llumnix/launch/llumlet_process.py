@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
+from llumnix.service_token import SERVICE_TOKEN_ENV, ServiceToken
 
 
 class LlumletStartError(ChildStartError):
@@ -28,6 +29,8 @@ class LlumletProcessConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     module: str = "llumlet"
     """What `python -m` runs: the llumlet, or a module that wraps its CLI (the fault-injection tests')."""
+    service_token: ServiceToken | None = None
+    """Required of the llumlet's callers; None: it serves anyone (`--allow-unauthenticated`)."""
 
     def command(self) -> list[str]:
         return [
@@ -39,8 +42,14 @@ class LlumletProcessConfig:
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--shutdown-grace", str(self.shutdown_grace_s),
+            *(() if self.service_token is not None else ("--allow-unauthenticated",)),
             *self.extra_args,
         ]
+
+    def environment(self) -> dict[str, str]:
+        # The token travels in the environment, never in argv; none overrides one this process has.
+        token = {SERVICE_TOKEN_ENV: ""} if self.service_token is None else self.service_token.environment()
+        return {"PYTHONUNBUFFERED": "1", **token}
 
 
 class LlumletProcess(ChildProcess):
@@ -62,7 +71,7 @@ class LlumletProcess(ChildProcess):
 
     def start(self) -> None:
         """Spawn the llumlet; `wait_ready` waits until it serves."""
-        self.spawn(ChildCommand(self.config.command(), {"PYTHONUNBUFFERED": "1"}))
+        self.spawn(ChildCommand(self.config.command(), self.config.environment()))
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Until /health answers 200: serving, which includes its engine being healthy."""

@@ -21,6 +21,7 @@ from typing import Protocol
 from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
 from llumnix.launch.llumlet_process import LlumletProcess, LlumletProcessConfig
 from llumnix.launch.sim_engine_process import SimEngineProcess
+from llumnix.service_token import ServiceToken
 
 ENGINE_KINDS = ("vllm", "sim")
 
@@ -75,6 +76,8 @@ class PairConfig:
     engine_args: tuple[str, ...] = ()
     """More engine flags, e.g. ("--time-scale", "10") for the sim engine."""
     llumlet_args: tuple[str, ...] = ()
+    service_token: ServiceToken | None = None
+    """The llumlet's credential (None: it serves anyone, for tests and benchmarks that dial it bare)."""
     shutdown_grace_s: float = 30.0
     engine_start_timeout_s: float = 300.0
 
@@ -133,6 +136,7 @@ class EnginePair:
             host=host,
             shutdown_grace_s=config.shutdown_grace_s,
             extra_args=config.llumlet_args,
+            service_token=config.service_token,
         ))
 
     @property

@@ -35,6 +35,7 @@ from llumnix.router.instance_source import (
 )
 from llumnix.router.server import Router, RouterConfig
 from llumnix.service_spec import DispatchSpec, PrioritiesSpec, SpecError, load_service_file
+from llumnix.service_token import SERVICE_TOKEN_ENV, ServiceToken
 
 T = TypeVar("T")
 
@@ -83,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "chat requests without max_tokens")
     parser.add_argument("--api-keys-file", type=Path,
                         help=f"file of accepted API keys, one per line (also ${API_KEYS_ENV}, "
-                        "comma-separated); none: no authentication")
+                        "comma-separated); none: no authentication of clients. The llumlets' own "
+                        f"credential, which the router presents to them, is ${SERVICE_TOKEN_ENV}")
     parser.add_argument("--workers", type=int, default=1,
                         help="router processes sharing the port, each dispatching from the load streams "
                         "plus its own in-flight requests; more than one helps only with cores to spare "
@@ -128,6 +130,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         queue_timeout_s=args.queue_timeout,
         api_keys=load_api_keys(args.api_keys_file),
         shutdown_grace_s=args.shutdown_grace,
+        # The llumlets' credential: from the environment (a Secret), never a flag that `ps` shows.
+        service_token=ServiceToken.from_environment(),
     )
 
 

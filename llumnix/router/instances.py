@@ -17,6 +17,7 @@ from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import InstanceLoad, RequestLoad, with_pending, without_requests
 from llumnix.router.instance_source import InstanceSource
 from llumnix.router.serve_session import ServeSession
+from llumnix.service_token import ServiceToken
 from llumnix.wire import LoadReport
 
 logger = logging.getLogger("llumnix.router.instances")
@@ -30,9 +31,10 @@ class Instance(LlumletConnection):
     """One llumlet as the router sees it."""
 
     def __init__(self, address: str, on_change: Callable[[], None],
-                 on_load_change: Callable[[Instance], None] = lambda _instance: None) -> None:
-        super().__init__(address, on_change)
-        self.serve = ServeSession(self.stub)
+                 on_load_change: Callable[[Instance], None] = lambda _instance: None, *,
+                 token: ServiceToken | None = None) -> None:
+        super().__init__(address, on_change, token=token)
+        self.serve = ServeSession(self.stub, self.call_metadata)
         """The data path: every request the router runs here travels on this one stream."""
         self._on_load_change = on_load_change
         """Runs whenever `effective_load()` or `is_idle()` may have changed."""
@@ -105,9 +107,11 @@ class InstanceSet:
     """Every instance of the service, kept in step with an `InstanceSource`; `on_change` runs after
     every load update, release and membership change (the dispatch queue retries then)."""
 
-    def __init__(self, source: InstanceSource | None = None, on_change: Callable[[], None] = lambda: None
-                 ) -> None:
+    def __init__(self, source: InstanceSource | None = None, on_change: Callable[[], None] = lambda: None,
+                 token: ServiceToken | None = None) -> None:
+        """`token`: the service token every llumlet requires."""
         self.source = source
+        self.token = token
         self.on_change = on_change
         self._by_address: dict[str, Instance] = {}
         self._task: asyncio.Task[None] | None = None
@@ -153,7 +157,8 @@ class InstanceSet:
         """`watch=False`: no load subscription; loads come from `Instance.observe` (benchmarks)."""
         instance = self._by_address.get(address)
         if instance is None:
-            instance = self._by_address[address] = Instance(address, self._notify, self._load_changed)
+            instance = self._by_address[address] = Instance(address, self._notify, self._load_changed,
+                                                                  token=self.token)
             if watch:
                 instance.start()
             logger.info("instance added", extra={"address": address})

@@ -13,6 +13,7 @@ import contextlib
 
 import grpc
 
+from llumnix.service_token import CallMetadata
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 
@@ -67,8 +68,10 @@ class RequestStream:
 
 
 class ServeSession:
-    def __init__(self, stub: llumlet_pb2_grpc.LlumletStub) -> None:
+    def __init__(self, stub: llumlet_pb2_grpc.LlumletStub, metadata: CallMetadata = ()) -> None:
+        """`metadata`: what the stream presents (the service token, `llumnix.service_token`)."""
         self._stub = stub
+        self._metadata = metadata
         self._call: grpc.aio.StreamStreamCall[pb.ServeCommand, pb.ServeEvents] | None = None
         self._commands: asyncio.Queue[pb.ServeCommand] = asyncio.Queue()
         self._streams: dict[str, RequestStream] = {}
@@ -90,7 +93,7 @@ class ServeSession:
         # A fresh queue and request table per stream: what was meant for a broken stream stays there.
         self._commands = asyncio.Queue()
         self._streams = {}
-        call = self._call = self._stub.Serve()
+        call = self._call = self._stub.Serve(metadata=self._metadata)
         self._tasks = (asyncio.create_task(_write(call, self._commands), name="serve-commands"),
                        asyncio.create_task(self._read(call, self._streams), name="serve-events"))
 

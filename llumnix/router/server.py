@@ -19,6 +19,7 @@ from llumnix.router.errors import RouterError
 from llumnix.router.instance_source import InstanceSource
 from llumnix.router.instances import InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumnix.router")
 
@@ -39,13 +40,15 @@ class RouterConfig:
     shutdown_grace_s: float = 30.0
     reuse_port: bool = False
     """Share the port with other router processes (SO_REUSEPORT; see `llumnix.router.workers`)."""
+    service_token: ServiceToken | None = None
+    """Presented to every llumlet (they require the service's token)."""
 
 
 class Router:
     def __init__(self, config: RouterConfig, source: InstanceSource) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.instances = InstanceSet(source, on_change=self._wake)
+        self.instances = InstanceSet(source, on_change=self._wake, token=config.service_token)
         policy = make_dispatch_policy(config.dispatch_policy, busy_freeness=config.busy_freeness,
                                       top_k=config.top_k, load_model=config.load_model)
         self.dispatcher = Dispatcher(policy, self.instances, self.metrics)

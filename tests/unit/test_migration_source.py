@@ -14,9 +14,12 @@ from llumlet.migration.settings import MigrationSettings
 from llumlet.migration.source import MigrationFailed, Source, _Progress
 from llumlet.requests import RequestRecord, RequestTable
 from llumnix.openai_stream import EndpointKind
+from llumnix.service_token import CallMetadata, ServiceToken, call_metadata
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineSnapshot
 from llumnix.v1.kv_transfer_pb2 import KVChannel
+
+TOKEN = ServiceToken("service-token")
 
 
 class FakeLink:
@@ -36,17 +39,22 @@ class FakeDestination:
         self.opened = opened
         self.proposals: list[mpb.ProposeMigrationRequest] = []
         self.aborted: list[str] = []
+        self.presented: set[CallMetadata] = set()
+        """The metadata every call carried (the service token)."""
 
-    async def Propose(self, request: mpb.ProposeMigrationRequest, timeout: float) -> Any:
+    async def Propose(self, request: mpb.ProposeMigrationRequest, timeout: float, metadata: CallMetadata
+                      ) -> Any:
         self.proposals.append(request)
+        self.presented.add(metadata)
         answer = mpb.ProposeMigrationResponse(accepted=True, kv_address="tcp://127.0.0.1:9",
                                               transport=self.transport, lease_ms=1000)
         if self.transport != "tcp" and self.opened:
             answer.channel.CopyFrom(KVChannel(backend=self.transport, channel_id="c"))
         return answer
 
-    async def Abort(self, request: mpb.AbortMigrationRequest, timeout: float) -> Any:
+    async def Abort(self, request: mpb.AbortMigrationRequest, timeout: float, metadata: CallMetadata) -> Any:
         self.aborted.append(request.migration_id)
+        self.presented.add(metadata)
         return mpb.AbortMigrationResponse(released=True)
 
 
@@ -58,7 +66,7 @@ async def _propose(transport: str, engine: list[str], destination: FakeDestinati
     link = FakeLink()
     source = Source("s", "127.0.0.1:1", None, tracker, link,  # type: ignore[arg-type]
                     lambda: {"kv_channels": engine}, MigrationSettings(transport=transport),
-                    LlumletMetrics("s", tracker.report), incoming=lambda: 0)
+                    LlumletMetrics("s", tracker.report), incoming=lambda: 0, token=TOKEN)
     record = RequestRecord("r", EndpointKind.COMPLETION, {"prompt": "x", "max_tokens": 10},
                            prompt_token_ids=(1, 2, 3), generated_token_ids={0: [4]}, migratable=True)
     progress = _Progress("m", record, destination)  # type: ignore[arg-type]
@@ -83,6 +91,7 @@ async def test_a_channel_the_llumlet_and_its_engine_can_use_is_taken(transport: 
     assert isinstance(answer, mpb.ProposeMigrationResponse) and answer.transport == channel
     assert destination.proposals[0].transport == transport  # negotiated by the destination
     assert destination.aborted == []
+    assert destination.presented == {call_metadata(TOKEN)}  # the peer requires the service token
 
 
 @pytest.mark.parametrize(("transport", "engine", "destination", "reason"), [
@@ -97,3 +106,4 @@ async def test_a_channel_the_source_cannot_use_is_refused_and_released(
     assert isinstance(failed, MigrationFailed)
     assert failed.outcome == mpb.MIGRATION_OUTCOME_REFUSED and reason in failed.reason
     assert destination.aborted == ["m"] and link.cancelled == ["m"]
+    assert destination.presented == {call_metadata(TOKEN)}
