@@ -1,7 +1,8 @@
 # One image for the operator, the router, the llumlet sidecar and the sim engine.
-# The engine image for vLLM is the same build on a vLLM base:
+# The engine image for vLLM is the same build on the vLLM release the KV connector is written against
+# (llumnix/vllm_support.py; the tag the operator expects by default ends in -vllm<that release>):
 #   docker build -t llumnix .
-#   docker build -t llumnix-vllm --build-arg BASE=vllm/vllm-openai:v0.11.0 .
+#   docker build -t llumnix-vllm:0.1.0-vllm0.32.0 --build-arg BASE=vllm/vllm-openai:v0.32.0 .
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 

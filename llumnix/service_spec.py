@@ -100,9 +100,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "type": "array",
                     "items": {"type": "string"},
                     "default": [],
-                    "description": "extra `vllm serve` arguments",
+                    "description": "extra `vllm serve` arguments, e.g. --max-model-len=4096 or "
+                                   "--dtype=bfloat16 (on CUDA both default to the model's)",
                 },
-                "blockSize": _int(1, 16, desc="KV-cache block size in tokens (a multiple of 32 on CPU)"),
+                "blockSize": _int(1, desc="KV-cache block size in tokens; default: the engine's (vLLM on "
+                                  "CUDA picks one for its attention backend, CPU vLLM takes 32, the sim "
+                                  "engine its profile's); a multiple of 32 on CPU"),
+                "gpuMemoryUtilization": {
+                    "type": "number", "minimum": 0.05, "maximum": 1, "default": 0.9,
+                    "description": "runtime vllm: the share of the GPU's memory the engine takes; vLLM "
+                                   "sizes its KV cache with what the weights and activations leave "
+                                   "(instances sharing one GPU need less than 1/n each)"},
                 "resources": _obj(
                     {
                         "gpus": _int(0, 1, desc="GPUs per instance"),
@@ -317,7 +325,9 @@ class EngineSpec:
     runtime: str
     image: str | None
     args: tuple[str, ...]
-    block_size: int
+    block_size: int | None
+    """None: the engine's own."""
+    gpu_memory_utilization: float
     resources: EngineResources
 
 
@@ -393,7 +403,7 @@ class ServiceSpec:
                             ModelSource(model["source"].get("pvc"), model["source"].get("subPath"))),
             engine=EngineSpec(
                 runtime=engine["runtime"], image=engine.get("image"), args=tuple(engine["args"]),
-                block_size=engine["blockSize"],
+                block_size=engine.get("blockSize"), gpu_memory_utilization=engine["gpuMemoryUtilization"],
                 resources=EngineResources(
                     gpus=resources["gpus"], tensor_parallel_size=resources["tensorParallelSize"],
                     memory=resources.get("memory"), cpu=resources.get("cpu"),

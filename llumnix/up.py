@@ -107,13 +107,15 @@ def print_event(event: ControlEvent) -> None:
     print(f"[{event.reason}]{where}: {event.message}", file=stream, flush=True)
 
 
-def router_config(service_file: str, host: str, port: int | None, max_model_len: int,
+def router_config(service_file: str, host: str, port: int | None, max_model_len: int | None,
                   dispatch_policy: str | None = None) -> RouterConfig:
-    """The router's configuration from the manifest, exactly as `llumnix router --service` reads it."""
+    """The router's configuration from the manifest, exactly as `llumnix router --service` reads it
+    (`max_model_len` None: the engines take the model's, unknown to the router)."""
     parser = argparse.ArgumentParser()
     router_cli.add_arguments(parser)
-    argv = ["--service", service_file, "--host", host, "--shutdown-grace", "5",
-            "--max-model-len", str(max_model_len)]
+    argv = ["--service", service_file, "--host", host, "--shutdown-grace", "5"]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
     if port is not None:
         argv += ["--port", str(port)]
     if dispatch_policy is not None:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from llumnix import __version__
+from llumnix.vllm_support import VLLM_VERSION
 from llumnix_operator.network_policy import NETWORK_POLICY_ENV, NetworkPolicyConfig
 
 IMAGE_ENV = "LLUMNIX_IMAGE"
@@ -18,8 +19,9 @@ IMAGE_PULL_SECRETS_ENV = "LLUMNIX_IMAGE_PULL_SECRETS"
 class BuildConfig:
     image: str = f"ghcr.io/llumnix/llumnix:{__version__}"
     """The project image: operator, router, llumlet and sim engine."""
-    vllm_image: str = f"ghcr.io/llumnix/llumnix-vllm:{__version__}"
-    """Engine image for runtime vllm/vllm-cpu when the spec names none (vLLM + this project)."""
+    vllm_image: str = f"ghcr.io/llumnix/llumnix-vllm:{__version__}-vllm{VLLM_VERSION}"
+    """Engine image for runtime vllm/vllm-cpu when the spec names none: this project on the vLLM release
+    its connector supports (the Dockerfile's BASE), which the tag names."""
     drain_timeout_s: int = 150
     """How long a pod being deleted may take to migrate its requests away."""
     image_pull_secrets: tuple[str, ...] = ()

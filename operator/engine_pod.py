@@ -11,7 +11,7 @@ import copy
 from pathlib import PurePosixPath
 from typing import Any
 
-from llumnix.launch.engine_process import EngineLaunchConfig, build_command
+from llumnix.launch.engine_process import build_command, engine_launch_config
 from llumnix.service_spec import EngineResources, ModelSource, ModelSpec, ServiceSettings, ServiceSpec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.container_resources import container_resources
@@ -70,25 +70,12 @@ def engine_command(spec: ServiceSpec) -> tuple[list[str], dict[str, str]]:
             model_name,
             "--snapshot-addr",
             SNAPSHOT_ADDR,
-            "--block-size",
-            str(engine.block_size),
+            *(["--block-size", str(engine.block_size)] if engine.block_size else []),
             *engine.args,
         ]
         return argv, {}
-    extra = list(engine.args)
-    tp = engine.resources.tensor_parallel_size
-    if tp > 1:
-        extra = ["--tensor-parallel-size", str(tp), *extra]
-    launch = EngineLaunchConfig(
-        model=model_location(spec.model),
-        port=ENGINE_PORT,
-        served_model_name=model_name,
-        device="cpu" if engine.runtime == "vllm-cpu" else "gpu",
-        block_size=engine.block_size,
-        snapshot_addr=SNAPSHOT_ADDR,
-        extra_args=tuple(extra),
-        python="python",
-    )
+    launch = engine_launch_config(engine, model=model_location(spec.model), served_model_name=model_name,
+                                  port=ENGINE_PORT, snapshot_addr=SNAPSHOT_ADDR, python="python")
     argv, env = build_command(launch)
     # The connector's KV receiver (live migration) listens on the pod IP, where peer engines reach it.
     return argv, {**env, KV_HOST_ENV: POD_IP_REF}

@@ -1,7 +1,7 @@
 """Instances as local processes (local mode): each instance is an engine + llumlet pair
-(`llumnix.launch.pair.EnginePair`), a CPU vLLM (runtime vllm-cpu or vllm, serving `model_dir`) or a sim
-engine (runtime sim). READY once the pair is healthy; FAILED when its engine or llumlet exits or it
-cannot start."""
+(`llumnix.launch.pair.EnginePair`): vLLM with the engine the operator's pods would run for the same spec
+(`engine_launch_config`: runtime vllm on CUDA, vllm-cpu on CPU), or a sim engine (runtime sim). READY
+once the pair is healthy; FAILED when its engine or llumlet exits or it cannot start."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llumnix.control.backend import InstanceBackend, InstanceInfo, InstancePhase
+from llumnix.launch.engine_process import CPU_BLOCK_SIZE, CPU_MAX_MODEL_LEN, engine_launch_config
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.service_spec import ServiceSettings, SpecError
 from llumnix.service_token import ServiceToken
@@ -20,7 +21,6 @@ from llumnix.service_token import ServiceToken
 logger = logging.getLogger("llumnix.control.local")
 
 SIM_MAX_MODEL_LEN = 4096
-VLLM_MAX_MODEL_LEN = 1024
 START_CONCURRENCY = 4
 """Pairs starting at once: each start is a burst of CPU (imports); sixteen at once on two cores
 take so long that llumlets miss their start-up deadline and are replaced, which adds more load."""
@@ -37,9 +37,10 @@ class _LocalInstance:
     starting: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
-def max_model_len(args: Sequence[str], default: int) -> int:
+def max_model_len(args: Sequence[str], default: int | None) -> int | None:
     """`--max-model-len` from the engine args (`--max-model-len N` or `=N`; the last one wins, as in
-    argparse), else `default`; the pair passes it to the engine and the router learns it."""
+    argparse), else `default` (None: the model's, which the router then does not know); the router
+    learns it."""
     value = None
     for i, arg in enumerate(args):
         if arg == "--max-model-len" and i + 1 < len(args):
@@ -71,11 +72,17 @@ def pair_config(settings: ServiceSettings, instance_id: str, work_dir: Path, mod
     if path is None:
         raise SpecError(f"spec.model.path is required for runtime {runtime} (local mode builds a tiny "
                         "model only for vllm-cpu without a path)")
-    if engine.block_size % 32:
-        raise SpecError("spec.engine.blockSize must be a multiple of 32 for CPU vLLM, "
+    cpu = runtime == "vllm-cpu"
+    if cpu and engine.block_size and engine.block_size % CPU_BLOCK_SIZE:
+        raise SpecError(f"spec.engine.blockSize must be a multiple of {CPU_BLOCK_SIZE} for CPU vLLM, "
                         f"got {engine.block_size}")
-    return PairConfig(engine="vllm", model_dir=path,
-                      max_model_len=max_model_len(engine.args, VLLM_MAX_MODEL_LEN), **common)  # type: ignore[arg-type]
+    # The engine runs in its work directory: a relative model directory is resolved here (a hub id is
+    # passed on as it is).
+    model = path.resolve() if path.exists() else path
+    launch = engine_launch_config(engine, model=model, served_model_name=spec.model.name, port=0)
+    return PairConfig(engine="vllm", model_dir=path, vllm=launch,
+                      max_model_len=max_model_len(engine.args, CPU_MAX_MODEL_LEN if cpu else None),
+                      **common)  # type: ignore[arg-type]
 
 
 class LocalProcessBackend(InstanceBackend):
@@ -88,7 +95,10 @@ class LocalProcessBackend(InstanceBackend):
         self.model_dir = model_dir
         self._instances: dict[str, _LocalInstance] = {}
         self._next_index = 0
-        self._start_slots = asyncio.Semaphore(START_CONCURRENCY)
+        # GPU engines on one machine share its GPUs: vLLM sizes its KV cache from the device's free memory
+        # before and after profiling, so another engine allocating meanwhile would be counted as its own.
+        gpu = settings.spec.engine.runtime == "vllm"
+        self._start_slots = asyncio.Semaphore(1 if gpu else START_CONCURRENCY)
         pair_config(settings, "check", work_dir, model_dir)  # a spec local mode cannot run fails here
 
     def pair(self, instance_id: str) -> EnginePair:

