@@ -22,7 +22,8 @@ PLACEMENT_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
 
 
 def service(engine: dict, model_path: str = "/models/llama") -> ServiceSettings:
-    return parse_service({"apiVersion": "llumnix.io/v1alpha1", "kind": "LLMService", "metadata": {"name": "s"},
+    return parse_service({"apiVersion": "llumnix.io/v1alpha1", "kind": "LLMService",
+                          "metadata": {"name": "s"},
                           "spec": {"model": {"name": "llama", "path": model_path}, "engine": engine}})
 
 
@@ -116,7 +117,8 @@ def test_every_example_is_a_valid_service(path: Path) -> None:
 
 
 def test_the_gpu_example_builds_a_valid_gpu_engine_pod() -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate",
+                                              reason="kubernetes-validate is not installed")
     settings = parse_service(yaml.safe_load((EXAMPLES / "gpu-cluster.yaml").read_text()))
     pod = engine_pod(settings, BuildConfig())
     kubernetes_validate.validate(pod, "1.33", strict=True)

@@ -99,4 +99,5 @@ def test_the_engine_refuses_an_unsupported_vllm_at_start_up(monkeypatch: pytest.
     monkeypatch.setattr(sys, "argv", ["vllm_server", "--help"])
     with pytest.raises(SystemExit) as exited:
         vllm_server.main()
-    assert "vLLM 0.11.0" in str(exited.value.code) and f"supports vLLM >={VLLM_VERSION}" in str(exited.value.code)
+    message = str(exited.value.code)
+    assert "vLLM 0.11.0" in message and f"supports vLLM >={VLLM_VERSION}" in message
