@@ -14,6 +14,7 @@ import time
 import grpc
 from tqdm import tqdm
 
+from llumnix.service_token import CallMetadata, ServiceToken, call_metadata
 from llumnix.v1 import llumlet_pb2, llumlet_pb2_grpc
 from llumnix_operator.naming import LLUMLET_GRPC_PORT
 
@@ -42,16 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def drain(stub: llumlet_pb2_grpc.LlumletStub, timeout_s: float, poll_interval_s: float) -> int:
-    """Requests still on the instance when the wait ended (0: drained)."""
+def drain(stub: llumlet_pb2_grpc.LlumletStub, timeout_s: float, poll_interval_s: float,
+          metadata: CallMetadata = ()) -> int:
+    """Requests still on the instance when the wait ended (0: drained). `metadata`: the service token
+    the llumlet requires (the hook runs in the pod's containers, which hold it in their environment)."""
     deadline = time.monotonic() + timeout_s
     in_flight = stub.SetDraining(
-        llumlet_pb2.SetDrainingRequest(draining=True), timeout=RPC_TIMEOUT_S
+        llumlet_pb2.SetDrainingRequest(draining=True), timeout=RPC_TIMEOUT_S, metadata=metadata
     ).in_flight
     with tqdm(total=in_flight, desc="draining", unit="req", disable=None) as bar:
         while in_flight and time.monotonic() < deadline:
             time.sleep(poll_interval_s)
-            remaining = stub.Health(llumlet_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S).in_flight
+            remaining = stub.Health(
+                llumlet_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata
+            ).in_flight
             bar.update(max(0, in_flight - remaining))
             in_flight = remaining
     return in_flight
@@ -60,7 +65,8 @@ def drain(stub: llumlet_pb2_grpc.LlumletStub, timeout_s: float, poll_interval_s:
 def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         try:
-            left = drain(llumlet_pb2_grpc.LlumletStub(channel), args.timeout, args.poll_interval)
+            left = drain(llumlet_pb2_grpc.LlumletStub(channel), args.timeout, args.poll_interval,
+                         call_metadata(ServiceToken.from_environment()))
         except grpc.RpcError as exc:
             # A llumlet that is already gone holds no requests: nothing to drain.
             print(

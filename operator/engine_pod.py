@@ -33,6 +33,7 @@ from llumnix_operator.pod_security import (
     WRITABLE_MOUNTS,
     WRITABLE_VOLUMES,
 )
+from llumnix_operator.service_token_secret import token_env
 
 SOCKET_DIR = "/run/llumnix"
 SNAPSHOT_ADDR = f"ipc://{SOCKET_DIR}/snapshots.sock"
@@ -151,7 +152,9 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         "command": argv[:1],
         "args": argv[1:],
         # POD_IP first: later values refer to it.
-        "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items())), *WRITABLE_ENV],
+        # The token: for the drain hook, which runs in this container too.
+        "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items())), *WRITABLE_ENV,
+                token_env(name)],
         "ports": [{"name": "engine-http", "containerPort": ENGINE_PORT}],
         "resources": _resources(engine.resources),
         "volumeMounts": [*mounts, *WRITABLE_MOUNTS],
@@ -184,6 +187,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
             POD_IP_VAR,
             {"name": INSTANCE_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             *WRITABLE_ENV,
+            token_env(name),  # required of every caller of this llumlet
         ],
         "ports": [
             {"name": "llumlet-http", "containerPort": LLUMLET_HTTP_PORT},

@@ -1,5 +1,5 @@
 """Create-or-patch for the objects an LLMService owns: create what is missing, patch what differs from
-the desired manifest, leave alone what already matches.
+the desired manifest, leave alone what already matches (and what is made once: its token Secret).
 
 Only the fields the desired manifest sets are compared and patched (a JSON merge patch of the desired
 manifest), so what the API server defaults and what other writers add (annotations, labels of their
@@ -28,9 +28,12 @@ class _Kind:
     api: type
     methods: str
     """Suffix of the client's methods: read_<methods>, create_<methods>, patch_<methods>."""
+    create_only: bool = False
+    """Made once and then left as it is (a Secret with a generated value: patching would rotate it)."""
 
 
 _KINDS: dict[tuple[str, str], _Kind] = {
+    ("v1", "Secret"): _Kind(kubernetes.client.CoreV1Api, "namespaced_secret", create_only=True),
     ("v1", "Service"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service"),
     ("v1", "ServiceAccount"): _Kind(kubernetes.client.CoreV1Api, "namespaced_service_account"),
     ("apps/v1", "Deployment"): _Kind(kubernetes.client.AppsV1Api, "namespaced_deployment"),
@@ -67,23 +70,31 @@ class Ensurer:
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self.api_client = api_client
 
-    def _api(self, manifest: dict[str, Any]) -> tuple[Any, str]:
+    def _api(self, manifest: dict[str, Any]) -> tuple[Any, _Kind]:
         key = (manifest["apiVersion"], manifest["kind"])
         if key not in _KINDS:
             raise ValueError(f"the operator does not manage {key[1]} ({key[0]}) objects")
         kind = _KINDS[key]
-        return kind.api(self.api_client), kind.methods
+        return kind.api(self.api_client), kind
 
     def ensure(self, manifest: dict[str, Any]) -> Outcome:
-        api, methods = self._api(manifest)
+        api, kind = self._api(manifest)
+        methods = kind.methods
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
         try:
             live = getattr(api, f"read_{methods}")(name, namespace)
         except kubernetes.client.ApiException as exc:
             if exc.status != 404:
                 raise
-            getattr(api, f"create_{methods}")(namespace, manifest)
+            try:
+                getattr(api, f"create_{methods}")(namespace, manifest)
+            except kubernetes.client.ApiException as exc:
+                if exc.status == 409 and kind.create_only:  # another operator replica made it first
+                    return Outcome.UNCHANGED
+                raise
             return Outcome.CREATED
+        if kind.create_only:
+            return Outcome.UNCHANGED
         if covers(self.api_client.sanitize_for_serialization(live), manifest):
             return Outcome.UNCHANGED
         getattr(api, f"patch_{methods}")(name, namespace, manifest, _content_type=MERGE_PATCH)

@@ -14,6 +14,7 @@ import kubernetes
 
 from llumnix.control.status import ControlEvent
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
+from llumnix.service_token import ServiceToken
 from llumnix_operator.access import role, role_binding, service_account
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.disruption_budget import disruption_budget
@@ -25,6 +26,7 @@ from llumnix_operator.naming import ENGINE, ROUTER, owner_reference
 from llumnix_operator.network_policy import engine_network_policy
 from llumnix_operator.router import router_deployment, router_service
 from llumnix_operator.service_runner import ServiceRunner
+from llumnix_operator.service_token_secret import token_secret
 
 logger = logging.getLogger("llumnix.operator")
 
@@ -42,6 +44,7 @@ def api_client() -> kubernetes.client.ApiClient:
 def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[str, Any]]:
     """Everything an LLMService owns besides its engine pods (the control loop creates those)."""
     objects = [
+        token_secret(settings, ServiceToken.generate()),  # used only if the Secret does not exist yet
         service_account(settings),
         role(settings),
         role_binding(settings),

@@ -55,6 +55,11 @@ def engine_pod_prefix(service: str) -> str:
     return f"{service}-engine-"
 
 
+def token_secret_name(service: str) -> str:
+    """The Secret holding the service token its llumlets require (llumnix/service_token.py)."""
+    return f"{service}-llumlet-token"
+
+
 def service_account_name(service: str) -> str:
     return f"{service}-llumnix"
 

@@ -25,6 +25,7 @@ from llumnix_operator.pod_security import (
     WRITABLE_MOUNTS,
     WRITABLE_VOLUMES,
 )
+from llumnix_operator.service_token_secret import token_env
 
 API_KEYS_DIR = "/etc/llumnix/api-keys"
 
@@ -69,7 +70,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
         "args": router_args(settings),
         "ports": [{"name": "http", "containerPort": port}],
         "resources": container_resources(router.resources),
-        "env": copy.deepcopy(WRITABLE_ENV),
+        "env": [*copy.deepcopy(WRITABLE_ENV), token_env(name)],  # presented to every llumlet
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),

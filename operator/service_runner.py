@@ -8,6 +8,7 @@ class only connects it to the custom resource."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -20,12 +21,14 @@ from llumnix.control.backend import InstancePhase
 from llumnix.control.fleet import UnknownInstance
 from llumnix.control.loop import ControlLoop
 from llumnix.control.status import ControlEvent
+from llumnix.llumlet_client import LlumletConnection
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_pod, engine_pod_template
 from llumnix_operator.metrics import OperatorMetrics
 from llumnix_operator.naming import service_account_name, template_hash
 from llumnix_operator.pod_backend import PodBackend
+from llumnix_operator.service_token_secret import read_token
 from llumnix_operator.status import (
     invalid_spec_conditions,
     service_status,
@@ -224,16 +227,19 @@ class ServiceRunner:
     async def tick(self) -> None:
         self.read_spec()
         # Pods naming a missing service account are refused: wait for the create handler's objects.
+        # The llumlets require the token from the same handler's Secret.
         if (
             self.loop is None
             and self.settings is not None
             and await asyncio.to_thread(self._service_account_exists)
+            and (token := await asyncio.to_thread(read_token, self.api_client, self.name, self.namespace))
         ):
             self.loop = ControlLoop(
                 self.settings,
                 self.backend,
                 on_event=self.on_event,
                 clock=self.clock,
+                connect=functools.partial(LlumletConnection, token=token),
                 drain_timeout_s=self.config.drain_timeout_s,
             )
         if self.loop is not None and self.spec_error is None:

@@ -1,5 +1,6 @@
 """Fixtures shared by the router's integration tests: sim engine + llumlet pairs (processes) and
-routers in front of them."""
+routers in front of them. The llumlets require the service token (service_auth.py), as in a deployment;
+the routers present it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from service_auth import SERVICE_TOKEN
 
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.router.api import ApiSettings
@@ -24,11 +26,13 @@ StartRouter = Callable[..., Awaitable[Router]]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sim_pairs(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[StartPairs]:
     """`await sim_pairs(count, prefix, **PairConfig fields)`: sim engine + llumlet pairs named
-    `<prefix>-<i>` serving model "sim", started together; all are stopped when the module ends."""
+    `<prefix>-<i>` serving model "sim", requiring `SERVICE_TOKEN`, started together; all are stopped
+    when the module ends."""
     started: list[EnginePair] = []
 
     async def start(count: int, prefix: str, **config: Any) -> list[EnginePair]:
         work = tmp_path_factory.mktemp(prefix)
+        config.setdefault("service_token", SERVICE_TOKEN)
         pairs = [EnginePair(PairConfig(instance_id=f"{prefix}-{i}", work_dir=work / str(i), engine="sim",
                                        served_model_name=SIM_MODEL, **config))
                  for i in range(count)]
@@ -43,11 +47,13 @@ async def sim_pairs(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[S
 @pytest_asyncio.fixture(loop_scope="module")
 async def start_router() -> AsyncIterator[StartRouter]:
     """`await start_router(addresses, **RouterConfig fields)`: a router on a free port over those
-    llumlets, returned once every load stream is up; shut down when the test ends."""
+    llumlets (presenting `SERVICE_TOKEN`), returned once every load stream is up; shut down when the
+    test ends."""
     routers: list[Router] = []
 
     async def start(addresses: list[str], **overrides: Any) -> Router:
         api = overrides.pop("api", ApiSettings(model=SIM_MODEL))
+        overrides.setdefault("service_token", SERVICE_TOKEN)
         router = Router(RouterConfig(api=api, host="127.0.0.1", port=0, **overrides),
                         ListInstanceSource(addresses))
         routers.append(router)

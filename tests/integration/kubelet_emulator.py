@@ -12,6 +12,7 @@ The headless Service's DNS is a file of ready llumlet addresses (`--instances-dn
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import os
@@ -88,6 +89,10 @@ class Kubelet:
         for item in container.get("env") or []:
             if "value" in item:
                 declared[item["name"]] = self._translate(item["value"], pod, mounts, declared)
+            elif "secretKeyRef" in item["valueFrom"]:  # read when the container starts, as the kubelet does
+                ref = item["valueFrom"]["secretKeyRef"]
+                secret = self.core.read_namespaced_secret(ref["name"], self.namespace)
+                declared[item["name"]] = base64.b64decode(secret.data[ref["key"]]).decode()
             else:
                 path = item["valueFrom"]["fieldRef"]["fieldPath"]
                 declared[item["name"]] = {"metadata.name": pod_name, "status.podIP": pod.ip}[path]

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 from serve_adapter import serve_from_generate
+from service_auth import authenticated_channel
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.server import Router
@@ -69,7 +70,7 @@ class Llumlet:
 
     def __init__(self, pair: EnginePair) -> None:
         self.pair = pair
-        self.channel = grpc.aio.insecure_channel(pair.grpc_address)
+        self.channel = authenticated_channel(pair.grpc_address)
         self.api = llumlet_pb2_grpc.LlumletStub(self.channel)
         self.migration = migration_pb2_grpc.LlumletMigrationStub(self.channel)
 
@@ -327,7 +328,7 @@ class LostMoveLlumlet(llumlet_pb2_grpc.LlumletServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         self.calls += 1
         first = self.calls == 1
-        async with grpc.aio.insecure_channel(self.upstream if first else self.destination) as channel:
+        async with authenticated_channel(self.upstream if first else self.destination) as channel:
             call = llumlet_pb2_grpc.LlumletStub(channel).Generate(request)
             sent = 0
             async for message in call:

@@ -15,6 +15,7 @@ import openai
 import pytest
 import pytest_asyncio
 from serve_adapter import serve_from_generate
+from service_auth import authenticated_channel
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
@@ -135,7 +136,7 @@ class MovingLlumlet(llumlet_pb2_grpc.LlumletServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        async with grpc.aio.insecure_channel(self.destination) as channel:
+        async with authenticated_channel(self.destination) as channel:
             call = llumlet_pb2_grpc.LlumletStub(channel).Generate(request)
             sent = 0
             async for message in call:

@@ -20,6 +20,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from service_auth import SERVICE_TOKEN
 
 from llumnix.launch.child_process import ChildCommand, ChildProcess
 from llumnix.launch.pair import EnginePair, free_port
@@ -42,7 +43,7 @@ async def router_url(sim_pairs: Callable[..., Awaitable[list[EnginePair]]],
     await router.launch(ChildCommand((
         sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
         "--port", str(port), "--instances", pair.grpc_address, "--max-tokens", str(MAX_TOKENS),
-        "--max-body-bytes", str(1 << 16))), timeout_s=60)
+        "--max-body-bytes", str(1 << 16)), SERVICE_TOKEN.environment()), timeout_s=60)
     try:
         yield url
     finally:

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from service_auth import SERVICE_TOKEN
 
 from llumnix.bench import BenchConfig, run_bench
 from llumnix.launch.pair import EnginePair
@@ -28,7 +29,8 @@ TRACE = generate_trace("S-S", num_requests=80, rate=5.0, seed=0, max_total_token
 
 
 async def p99_ttft(addresses: list[str], policy: str) -> tuple[float, int]:
-    config = RouterConfig(api=ApiSettings(model=MODEL), host="127.0.0.1", port=0, dispatch_policy=policy)
+    config = RouterConfig(api=ApiSettings(model=MODEL), host="127.0.0.1", port=0, dispatch_policy=policy,
+                          service_token=SERVICE_TOKEN)
     router = Router(config, ListInstanceSource(addresses))
     await router.start()
     try:

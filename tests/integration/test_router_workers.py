@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
+from service_auth import SERVICE_TOKEN
 
 from llumnix.launch.child_process import ChildCommand, ChildProcess
 from llumnix.launch.pair import EnginePair, free_port
@@ -42,8 +43,8 @@ async def test_two_workers_share_the_port_and_their_metrics(
     try:
         await router.launch(ChildCommand((
             sys.executable, "-m", "llumnix.cli", "router", "--model", MODEL, "--host", "127.0.0.1",
-            "--port", str(port), "--instances", ",".join(p.grpc_address for p in pairs), "--workers", "2")),
-            timeout_s=60)
+            "--port", str(port), "--instances", ",".join(p.grpc_address for p in pairs), "--workers", "2"),
+            SERVICE_TOKEN.environment()), timeout_s=60)
         assert router.pid is not None
         workers = [child for child in psutil.Process(router.pid).children()
                    if "spawn_main" in " ".join(child.cmdline())]  # not multiprocessing's resource tracker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -83,11 +84,16 @@ def test_engine_pod_probes_drain_hook_and_grace() -> None:
     # Start-up may take as long as a model load: 5 s x 180.
     assert llumlet["startupProbe"]["periodSeconds"] * llumlet["startupProbe"]["failureThreshold"] == 900
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    token = {"name": "LLUMNIX_SERVICE_TOKEN",
+             "valueFrom": {"secretKeyRef": {"name": "llama-llumlet-token", "key": "token"}}}
     assert llumlet["env"] == [
         pod_ip,
         {"name": "LLUMNIX_INSTANCE_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *WRITABLE_ENV,
+        token,
     ]
+    assert "--allow-unauthenticated" not in llumlet["args"]
+    assert token in engine["env"]  # its drain hook presents it too
     args = llumlet["args"]
     assert args[args.index("--engine-url") + 1] == "http://127.0.0.1:8000"
     assert args[args.index("--migration-select") + 1] == "last-come"
@@ -173,6 +179,9 @@ def test_router_finds_llumlets_by_dns_and_mounts_api_keys() -> None:
     assert args[args.index("--dispatch-policy") + 1] == "infaas++"
     assert args[args.index("--api-keys-file") + 1] == "/etc/llumnix/api-keys/keys"
     assert {"name": "api-keys", "secret": {"secretName": "keys"}} in pod["spec"]["volumes"]
+    token = {"name": "LLUMNIX_SERVICE_TOKEN",  # what the llumlets require, from the service's Secret
+             "valueFrom": {"secretKeyRef": {"name": "llama-llumlet-token", "key": "token"}}}
+    assert token in container["env"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     service = router_service(s)
     assert service["spec"]["type"] == "LoadBalancer"
@@ -217,6 +226,7 @@ def test_owned_objects_are_namespaced_and_labelled() -> None:
         "PodDisruptionBudget",
         "Role",
         "RoleBinding",
+        "Secret",
         "Service",
         "Service",
         "ServiceAccount",
@@ -224,6 +234,14 @@ def test_owned_objects_are_namespaced_and_labelled() -> None:
     for o in objects:
         assert o["metadata"]["namespace"] == "prod"
         assert o["metadata"]["labels"]["llumnix.io/service"] == "llama"
+
+
+def test_the_token_secret_holds_a_fresh_token_in_data() -> None:
+    first, second = (next(o for o in owned_objects(settings(), CONFIG) if o["kind"] == "Secret")
+                     for _ in range(2))
+    assert first["metadata"]["name"] == "llama-llumlet-token" and first["type"] == "Opaque"
+    token = base64.b64decode(first["data"]["token"]).decode()
+    assert len(token) >= 32 and first["data"] != second["data"]  # made once; the ensurer never patches it
 
 
 def test_owner_reference_is_a_controller_reference() -> None:

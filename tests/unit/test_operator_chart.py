@@ -1,6 +1,6 @@
 """The Helm chart lints and renders (Helm's own engine, via helm-python-sdk); its manifests and the
-ones the operator builds validate against the Kubernetes API schemas; the operator's ClusterRole grants
-every verb the operator uses."""
+ones the operator builds validate against the Kubernetes API schemas (the operator's Role:
+test_operator_rbac.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import yaml
 from llumnix.service_spec import ServiceSettings, validate_spec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_pod
-from llumnix_operator.ensure import _KINDS
 from llumnix_operator.handlers import owned_objects
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (dev extra)")
@@ -67,37 +66,6 @@ def test_chart_ships_the_generated_crd() -> None:
     crd = yaml.safe_load((CHART / "crds/llmservices.llumnix.io.yaml").read_text())
     validate(crd)
     assert crd["metadata"]["name"] == "llmservices.llumnix.io"
-
-
-def _granted(rules: list[dict], group: str, resource: str) -> set[str]:
-    return {
-        verb
-        for rule in rules
-        if group in rule["apiGroups"] and resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-
-
-def test_operator_role_grants_what_the_operator_does() -> None:
-    rules = next(d for d in render() if d["kind"] == "ClusterRole")["rules"]
-    for (api_version, kind), _ in _KINDS.items():
-        group = api_version.rpartition("/")[0]
-        plural = {
-            "Service": "services",
-            "ServiceAccount": "serviceaccounts",
-            "Deployment": "deployments",
-            "PodDisruptionBudget": "poddisruptionbudgets",
-            "NetworkPolicy": "networkpolicies",
-            "Role": "roles",
-            "RoleBinding": "rolebindings",
-        }[kind]
-        assert {"get", "create", "patch"} <= _granted(rules, group, plural), kind
-    assert {"list", "watch", "create", "delete"} <= _granted(rules, "", "pods")
-    assert {"list", "watch", "patch"} <= _granted(rules, "llumnix.io", "llmservices")
-    assert "patch" in _granted(rules, "llumnix.io", "llmservices/status")
-    assert "create" in _granted(rules, "", "events")
-    # The operator may grant only what it holds (RBAC escalation check): the workloads' Role.
-    assert "get" in _granted(rules, "llumnix.io", "llmservices")
 
 
 def test_operator_built_manifests_are_valid() -> None:

@@ -61,19 +61,25 @@ class FakeLlumlet:
     def __init__(self, in_flight: list[int]) -> None:
         self.in_flight = in_flight
         self.draining: list[bool] = []
+        self.presented: set[tuple] = set()
+        """The metadata of every call (the service token)."""
 
-    def SetDraining(self, request: llumlet_pb2.SetDrainingRequest, timeout: float) -> Any:
+    def SetDraining(self, request: llumlet_pb2.SetDrainingRequest, timeout: float, metadata: tuple) -> Any:
         self.draining.append(request.draining)
+        self.presented.add(metadata)
         return llumlet_pb2.SetDrainingResponse(draining=True, in_flight=self.in_flight.pop(0))
 
-    def Health(self, request: llumlet_pb2.HealthRequest, timeout: float) -> Any:
+    def Health(self, request: llumlet_pb2.HealthRequest, timeout: float, metadata: tuple) -> Any:
+        self.presented.add(metadata)
         return llumlet_pb2.HealthResponse(in_flight=self.in_flight.pop(0) if self.in_flight else 0)
 
 
 def test_drain_waits_until_no_request_is_left() -> None:
     llumlet = FakeLlumlet([3, 2, 1, 0])
-    assert drain_hook.drain(llumlet, timeout_s=5, poll_interval_s=0.001) == 0  # type: ignore[arg-type]
+    token = (("authorization", "Bearer t"),)
+    assert drain_hook.drain(llumlet, timeout_s=5, poll_interval_s=0.001, metadata=token) == 0  # type: ignore[arg-type]
     assert llumlet.draining == [True] and llumlet.in_flight == []
+    assert llumlet.presented == {token}
 
 
 def test_drain_gives_up_after_the_timeout() -> None:
