@@ -11,6 +11,8 @@ built once here; nothing else reads the spec as a dict).
 from __future__ import annotations
 
 import copy
+import difflib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,12 +58,25 @@ def _obj(properties: dict, required: list[str] | None = None, desc: str = "") ->
     return schema
 
 
+# Kubernetes' own pattern for a resource quantity (apimachinery's resource.Quantity): without it a
+# CR with `memory: 32 GB` is accepted and every pod the operator builds from it is refused.
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+                    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _quantity(desc: str, default: str | None = None) -> dict:
+    schema: dict[str, Any] = {"type": "string", "pattern": QUANTITY_PATTERN, "description": desc}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
 def _container_resources(cpu: str, memory: str, desc: str) -> dict:
     """CPU request and memory request = limit of a container the operator adds (router, llumlet)."""
     return _obj(
         {
-            "cpu": {"type": "string", "default": cpu, "description": "CPU request, e.g. 500m"},
-            "memory": {"type": "string", "default": memory, "description": "memory request and limit"},
+            "cpu": _quantity("CPU request, e.g. 500m", cpu),
+            "memory": _quantity("memory request and limit", memory),
         },
         desc=desc,
     )
@@ -115,8 +130,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     {
                         "gpus": _int(0, 1, desc="GPUs per instance"),
                         "tensorParallelSize": _int(1, 1),
-                        "memory": {"type": "string", "description": "memory request/limit, e.g. 32Gi"},
-                        "cpu": {"type": "string", "description": "CPU request, e.g. '4'"},
+                        "memory": _quantity("memory request/limit, e.g. 32Gi"),
+                        "cpu": _quantity("CPU request, e.g. '4'"),
                         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
                         "tolerations": {
                             "type": "array",
@@ -259,6 +274,41 @@ class SpecError(ValueError):
     """An invalid LLMService; the message names the field."""
 
 
+MAX_NAME_LENGTH = 54
+"""The longest LLMService name whose derived names are valid: `<name>-llumlets` names a Service, a
+DNS-1035 label of at most 63 characters."""
+NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_CEL = f"self.metadata.name.size() <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{NAME_PATTERN}')"
+NAME_MESSAGE = (f"metadata.name must be at most {MAX_NAME_LENGTH} lower-case letters, digits and '-', "
+                "starting with a letter and ending with a letter or digit: it names the service's Services "
+                "and pods")
+
+
+def check_name(name: Any) -> str:
+    """`name` if an LLMService may have it (the CRD's root rule NAME_CEL, for local mode)."""
+    if not isinstance(name, str) or not name:
+        raise SpecError("metadata.name is required")
+    if len(name) > MAX_NAME_LENGTH or not re.match(NAME_PATTERN, name):
+        raise SpecError(f"{NAME_MESSAGE}; got {name!r}")
+    return name
+
+
+def _unknown_fields(schema: dict, value: Any, path: str) -> list[str]:
+    """Fields of `value` that `schema` does not define, with a suggestion. The API server refuses
+    them too (kubectl's strict field validation) instead of silently dropping a misspelt field."""
+    properties = schema.get("properties")
+    if not isinstance(value, dict) or not properties:
+        return []
+    found = []
+    for key, sub_value in value.items():
+        if key not in properties:
+            close = difflib.get_close_matches(str(key), properties, n=1)
+            found.append(f"{path}.{key}: unknown field" + (f"; did you mean {close[0]!r}?" if close else ""))
+        else:
+            found += _unknown_fields(properties[key], sub_value, f"{path}.{key}")
+    return found
+
+
 def apply_defaults(schema: dict, value: Any) -> Any:
     """Fill schema defaults into `value` (a copy), recursively through objects."""
     if value is None and "default" in schema:
@@ -275,12 +325,17 @@ def _validated(spec: Any) -> dict:
     """`spec` with defaults filled, checked against SPEC_SCHEMA and CROSS_FIELD_RULES."""
     if not isinstance(spec, dict):
         raise SpecError("spec must be a mapping")
+    unknown = _unknown_fields(SPEC_SCHEMA, spec, "spec")
+    if unknown:
+        raise SpecError(unknown[0])
     filled = apply_defaults(SPEC_SCHEMA, copy.deepcopy(spec))
     errors = sorted(jsonschema.Draft7Validator(SPEC_SCHEMA).iter_errors(filled), key=lambda e: list(e.path))
     if errors:
         err = errors[0]
-        where = ".".join(str(p) for p in err.path) or "spec"
-        raise SpecError(f"spec.{where}: {err.message}" if err.path else f"spec: {err.message}")
+        where = ["spec", *(str(p) for p in err.path)]
+        if err.validator == "required":  # name the missing field, not its parent
+            where += [field for field in err.validator_value if field not in err.instance][:1]
+        raise SpecError(f"{'.'.join(where)}: {err.message}")
     for rule in CROSS_FIELD_RULES:
         if not rule.check(filled[rule.path] if rule.path else filled):
             raise SpecError(f"spec.{rule.path}: {rule.message}" if rule.path else f"spec: {rule.message}")
@@ -488,9 +543,7 @@ def parse_service(manifest: Any) -> ServiceSettings:
     if manifest.get("kind") != KIND:
         raise SpecError(f"kind must be {KIND!r}, got {manifest.get('kind')!r}")
     metadata = manifest.get("metadata") or {}
-    name = metadata.get("name")
-    if not isinstance(name, str) or not name:
-        raise SpecError("metadata.name is required")
+    name = check_name(metadata.get("name"))
     return ServiceSettings(name, metadata.get("namespace", "default"), validate_spec(manifest.get("spec")))
 
 

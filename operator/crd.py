@@ -14,6 +14,8 @@ from llumnix.service_spec import (
     API_VERSION,
     CROSS_FIELD_RULES,
     KIND,
+    NAME_CEL,
+    NAME_MESSAGE,
     PLURAL,
     SHORT_NAMES,
     SPEC_SCHEMA,
@@ -134,6 +136,8 @@ def crd_manifest() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "required": ["spec"],
+                            # The only rule over metadata the API server evaluates for a custom resource.
+                            "x-kubernetes-validations": [{"rule": NAME_CEL, "message": NAME_MESSAGE}],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

@@ -120,7 +120,7 @@ def test_every_given_field_reaches_the_typed_spec() -> None:
         ({"autoscaling": {"scaleUpBelow": 70}}, "spec.autoscaling: autoscaling.scaleUpBelow must be lower"),
         ({"migration": {"intervalMs": "fast"}}, "spec.migration.intervalMs: 'fast' is not of type 'integer'"),
         ({"router": {"port": 70000}}, "spec.router.port: 70000 is greater than the maximum"),
-        ({"model": {}}, "spec.model: 'name' is a required property"),
+        ({"model": {}}, "spec.model.name: 'name' is a required property"),
     ],
 )
 def test_invalid_specs_name_the_field(spec: dict, message: str) -> None:
