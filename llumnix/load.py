@@ -144,9 +144,15 @@ def freeness(load: InstanceLoad, config: LoadModelConfig = DEFAULT_LOAD_MODEL) -
 
 
 def dispatch_freeness(
-    load: InstanceLoad, request: RequestLoad | None = None, config: LoadModelConfig = DEFAULT_LOAD_MODEL
+    load: InstanceLoad,
+    request: RequestLoad | None = None,
+    config: LoadModelConfig = DEFAULT_LOAD_MODEL,
+    cached_blocks: float = 0.0,
 ) -> float:
     """Freeness the instance would have with `request` admitted behind its whole queue.
+
+    `cached_blocks`: blocks of the request's prompt the instance has in its prefix cache. They are
+    blocks the request will not need there, so its demand shrinks by them (never below zero).
 
     Dispatch looks further ahead than `freeness`: every queued request will need its blocks before
     the new one runs, and each joins the batch. Without this an instance whose few requests nearly
@@ -164,7 +170,7 @@ def dispatch_freeness(
     demand = load.queued_blocks
     batch = load.num_requests
     if request is not None:
-        demand += blocks_for_tokens(request.total_tokens, load.block_size)
+        demand += max(0.0, blocks_for_tokens(request.total_tokens, load.block_size) - cached_blocks)
         batch += 1
     headroom = high_priority_headroom(load, config, request)
     room = load.total_blocks - (load.used_blocks + load.reserved_blocks + demand + headroom)

@@ -9,6 +9,13 @@ rescaled to the target mean (rounded up) and capped at 6,144 tokens. The artifac
 *sample* mean; here the rescaling uses the law's exact mean, so a length's distribution does not depend
 on how many lengths are drawn together.
 
+Shared-prefix traces (`SHARED_PREFIX_TRACES`) also say what the tokens are, so that requests can
+share a cached prefix: a request's token sequence (prompt, then output) is a list of segments, each
+a deterministic stream of token ids named by its seed (`request_token_ids`). "prefix-groups": every
+request starts with one of a few long system prompts, then its own question; "prefix-sessions":
+multi-turn chats whose next turn's prompt is the previous prompt, its answer and a new message.
+The paper's traces carry no segments: no two of their requests share content.
+
 The ShareGPT and BurstGPT datasets cannot be fetched here, so their distributions are smooth fits to
 Table 1: the quantile function is piecewise linear in (standard-normal score of p, log length) through
 the table's P50/P80/P95/P99 (log-normal between neighbouring percentiles), with straight tails whose
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import heapq
 import json
 import math
 import os
@@ -40,6 +48,9 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     high_priority: bool = False
+    segments: tuple[tuple[int, int], ...] = ()
+    """(seed, tokens) pieces of the request's token sequence, prompt then output, covering
+    prompt_tokens + output_tokens; empty: content no other request shares."""
 
 
 LENGTH_DISTRIBUTIONS = (
@@ -62,6 +73,36 @@ TRACE_PRESETS: dict[str, tuple[str, str]] = {
     "burstgpt": ("burstgpt-input", "burstgpt-output"),
 }
 """Trace name -> (prompt length distribution, output length distribution)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixShape:
+    """How a shared-prefix trace is built (lengths in tokens)."""
+
+    system_prompts: int
+    """Distinct system prompts; a request picks one with Zipf(1) popularity."""
+    system_tokens: tuple[int, int]
+    """Range (inclusive) of a system prompt's length."""
+    message: str = "S"
+    """Distribution of a user message's length (`LENGTH_DISTRIBUTIONS`)."""
+    output: str = "S"
+    """Distribution of an answer's length."""
+    mean_turns: float = 1.0
+    """Requests per session (geometric); 1: every request is a session of its own."""
+    think_time_s: float = 0.0
+    """Mean time (exponential) from one turn of a session to the next."""
+
+
+SHARED_PREFIX_TRACES: dict[str, SharedPrefixShape] = {
+    "prefix-groups": SharedPrefixShape(system_prompts=48, system_tokens=(1024, 3072)),
+    "prefix-sessions": SharedPrefixShape(
+        system_prompts=8, system_tokens=(256, 1024), mean_turns=6.0, think_time_s=10.0
+    ),
+}
+"""Trace families whose requests share prefixes (see the module's docstring)."""
+
+TOKEN_VOCABULARY = 32000
+"""Token ids of generated segments are drawn from 0..TOKEN_VOCABULARY-1 (LLaMA's vocabulary)."""
 
 # Generated power laws (artifact): name -> (target mean, Zipf exponent).
 _POWER_LAWS: dict[str, tuple[int, float]] = {"S": (128, 2.0), "M": (256, 1.5), "L": (512, 1.15)}
@@ -265,6 +306,59 @@ def load_dataset_lengths(path: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def segment_token_ids(seed: int, tokens: int) -> np.ndarray:
+    """The token ids of one segment: the same for the same seed, in every process."""
+    return np.random.default_rng([0x5E6, seed]).integers(0, TOKEN_VOCABULARY, tokens, dtype=np.uint32)
+
+
+def request_token_ids(request: TraceRequest) -> np.ndarray:
+    """A shared-prefix request's whole token sequence (prompt, then output); empty without segments."""
+    if not request.segments:
+        return np.zeros(0, dtype=np.uint32)
+    return np.concatenate([segment_token_ids(seed, tokens) for seed, tokens in request.segments])
+
+
+def _shared_prefix_trace(
+    shape: SharedPrefixShape, num_requests: int, rate: float, cv: float, rng: np.random.Generator,
+    max_total_tokens: int,
+) -> list[tuple[float, tuple[tuple[int, int], ...], int]]:
+    """(arrival, segments, prompt tokens) of the first `num_requests` requests, in arrival order.
+    Sessions start at `rate` / mean turns (so requests arrive at `rate` once sessions overlap) until
+    there are enough requests; a session ends early where its next turn would be too long."""
+    low, high = shape.system_tokens
+    system = rng.integers(low, high + 1, shape.system_prompts)
+    popularity = 1.0 / np.arange(1, shape.system_prompts + 1)
+    popularity /= popularity.sum()
+    start = 0.0
+    next_seed = shape.system_prompts
+    requests: list[tuple[float, tuple[tuple[int, int], ...], int]] = []
+    cutoff = math.inf
+    """Arrival of the num_requests-th request so far: a session starting later adds none before it."""
+    while num_requests:
+        start += float(arrival_times(1, rate / shape.mean_turns, cv, rng)[0])
+        if start > cutoff:
+            break
+        prompt = int(rng.choice(shape.system_prompts, p=popularity))
+        history: list[tuple[int, int]] = [(prompt, int(system[prompt]))]
+        at = float(start)
+        turns = int(rng.geometric(1.0 / shape.mean_turns)) if shape.mean_turns > 1 else 1
+        for _ in range(turns):
+            message = int(sample_lengths(shape.message, 1, rng)[0])
+            answer = int(sample_lengths(shape.output, 1, rng)[0])
+            prompt_tokens = sum(tokens for _, tokens in history) + message
+            if prompt_tokens + answer > max_total_tokens:
+                break
+            history.append((next_seed, message))
+            requests.append((at, (*history, (next_seed + 1, answer)), prompt_tokens))
+            history.append((next_seed + 1, answer))
+            next_seed += 2
+            at += float(rng.exponential(shape.think_time_s)) if shape.think_time_s > 0 else 0.0
+        if len(requests) >= num_requests:
+            cutoff = heapq.nsmallest(num_requests, (r[0] for r in requests))[-1]
+    requests.sort(key=lambda r: r[0])
+    return requests[:num_requests]
+
+
 def generate_trace(
     lengths: str,
     num_requests: int,
@@ -276,10 +370,11 @@ def generate_trace(
 ) -> list[TraceRequest]:
     """A trace of `num_requests` requests arriving at `rate` requests/s (burstiness `cv`).
 
-    `lengths` is a `TRACE_PRESETS` name or the path of a dataset file (see `load_dataset_lengths`),
-    whose (prompt, output) pairs are drawn uniformly with replacement. prompt + output is capped at
-    `max_total_tokens` (the prompt first, keeping at least one output token). `high_priority_fraction`
-    of the requests (rounded), chosen at random, are high priority. Same arguments, same trace.
+    `lengths` is a `TRACE_PRESETS` name, a `SHARED_PREFIX_TRACES` name or the path of a dataset file
+    (see `load_dataset_lengths`), whose (prompt, output) pairs are drawn uniformly with replacement.
+    prompt + output is capped at `max_total_tokens` (the prompt first, keeping at least one output
+    token). `high_priority_fraction` of the requests (rounded), chosen at random, are high priority.
+    Same arguments, same trace.
     """
     if num_requests < 0:
         raise ValueError(f"number of requests must be >= 0, got {num_requests}")
@@ -288,6 +383,15 @@ def generate_trace(
     if max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be >= 2 (prompt + output token), got {max_total_tokens}")
     rng = np.random.default_rng(seed)
+    if lengths in SHARED_PREFIX_TRACES:
+        shared = _shared_prefix_trace(SHARED_PREFIX_TRACES[lengths], num_requests, rate, cv, rng,
+                                      max_total_tokens)
+        flags = np.zeros(len(shared), dtype=bool)
+        flags[rng.permutation(len(shared))[: round(high_priority_fraction * len(shared))]] = True
+        return [
+            TraceRequest(i, at, prompt, segments[-1][1], bool(flags[i]), segments)
+            for i, (at, segments, prompt) in enumerate(shared)
+        ]
     arrivals = arrival_times(num_requests, rate, cv, rng)
     if lengths in TRACE_PRESETS:
         input_dist, output_dist = TRACE_PRESETS[lengths]
@@ -299,7 +403,8 @@ def generate_trace(
         prompts, outputs = chosen[:, 0], chosen[:, 1]
     else:
         raise ValueError(
-            f"unknown trace {lengths!r}: not a dataset file and not one of {', '.join(TRACE_PRESETS)}"
+            f"unknown trace {lengths!r}: not a dataset file and not one of"
+            f" {', '.join([*TRACE_PRESETS, *SHARED_PREFIX_TRACES])}"
         )
     prompts = np.minimum(prompts, max_total_tokens - 1)
     outputs = np.minimum(outputs, max_total_tokens - prompts)

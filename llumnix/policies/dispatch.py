@@ -9,6 +9,13 @@ The picker works on a `Ranking` that is kept one load at a time. The router keep
 instances and decides on every request; a choice scores only the instances that can win, taken in
 the order of a request-independent upper bound of their score. `choose` over a list of loads (the
 simulator) builds one per call, so both make the same choices.
+
+Prefix-cache aware dispatch: a choice may name, per instance, how many blocks of the request's
+prompt that instance has cached (`llumnix.prefix_cache.PrefixIndex`). A policy with a prefix score
+scores those instances explicitly, before the bound-ordered walk over the others (whose bounds need
+not cover a cache hit). llumnix's (`prefix_freeness`): the cached blocks are blocks the request does
+not need there, and the headroom above the busy threshold is worth 1 + weight x (share of the prompt
+cached) as much, for the prefill the hit saves.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import itertools
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llumnix.load import (
@@ -37,6 +44,12 @@ POLICY_NAMES = ("llumnix", "infaas++", "round-robin", "least-requests")
 DEFAULT_BUSY_FREENESS = 0.0
 """Below this freeness an instance is busy: a new request would wait in its queue."""
 
+DEFAULT_PREFIX_WEIGHT = 2.0
+"""How much llumnix dispatch values the prefill a cache hit saves (`prefix_freeness`); 0: caches are
+ignored."""
+
+NO_CACHE: Mapping[str, float] = {}
+
 NO_TOKENS = RequestLoad("", 0)
 """The smallest request: it needs no blocks, only a batch slot."""
 
@@ -52,6 +65,10 @@ def _any_instance(_instance_id: str) -> bool:
     return True
 
 
+CachedBlocks = Mapping[str, float]
+"""Instance id -> blocks of the request's prompt cached there (instances without any left out)."""
+
+
 class Ranking(ABC):
     """The instances a policy chooses among. Draining instances are never chosen; None means there
     is no instance to choose."""
@@ -65,10 +82,14 @@ class Ranking(ABC):
 
     @abstractmethod
     def choose(
-        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
+        self,
+        request: RequestLoad | None = None,
+        eligible: Callable[[str], bool] = _any_instance,
+        cached: CachedBlocks = NO_CACHE,
     ) -> DispatchDecision | None:
         """`eligible` passes over instances the caller cannot send to (the router's unreachable ones);
-        it is asked only about instances that could be chosen."""
+        it is asked only about instances that could be chosen. `cached`: the request's prompt blocks
+        cached per instance (policies without a prefix score ignore it)."""
 
 
 class DispatchPolicy(ABC):
@@ -82,13 +103,16 @@ class DispatchPolicy(ABC):
         generator)."""
 
     def choose(
-        self, loads: Sequence[InstanceLoad], request: RequestLoad | None = None
+        self,
+        loads: Sequence[InstanceLoad],
+        request: RequestLoad | None = None,
+        cached: CachedBlocks = NO_CACHE,
     ) -> DispatchDecision | None:
         """One choice among `loads` (over a ranking built for it)."""
         ranking = self.ranking()
         for load in loads:
             ranking.update(load)
-        return ranking.choose(request)
+        return ranking.choose(request, cached=cached)
 
 
 class ScoringPolicy(DispatchPolicy):
@@ -98,7 +122,12 @@ class ScoringPolicy(DispatchPolicy):
     does not depend on the request. Loads with equal `peers(load)` score, for every request, in the
     order of their bounds and at least as far apart (equal bounds, equal scores); None: when the
     score does not depend on the request all loads are peers, otherwise none. `is_busy` is a
-    threshold: every busy score is below every free one."""
+    threshold: every busy score is below every free one.
+
+    `prefix_score(load, request, cached_blocks)` scores an instance that has `cached_blocks` of the
+    request's prompt cached (None: the cache does not change the score). Such instances are scored
+    explicitly, so it may exceed `bound`, which bounds scores without a cache hit; it must keep
+    `is_busy` as the score without the hit would (a hit does not make a busy instance free)."""
 
     def __init__(
         self,
@@ -109,6 +138,7 @@ class ScoringPolicy(DispatchPolicy):
         is_busy: Callable[[float], bool] = lambda _score: False,
         top_k: int = 1,
         rng: random.Random | None = None,
+        prefix_score: Callable[[InstanceLoad, RequestLoad | None, float], float] | None = None,
     ) -> None:
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
@@ -121,9 +151,16 @@ class ScoringPolicy(DispatchPolicy):
         self.is_busy = is_busy
         self.top_k = top_k
         self.rng = rng or random.Random(0)
+        self.prefix_score = prefix_score
 
     def ranking(self) -> Ranking:
         return _ScoreRanking(self)
+
+    def score_cached(self, load: InstanceLoad, request: RequestLoad | None, cached_blocks: float) -> float:
+        """The score of an instance with `cached_blocks` of the request's prompt cached."""
+        if cached_blocks <= 0 or self.prefix_score is None:
+            return self.score(load, request)
+        return self.prefix_score(load, request, cached_blocks)
 
 
 class _Peers:
@@ -209,9 +246,14 @@ class _ScoreRanking(Ranking):
         bisect.insort(self._heads, (group.keys[0], group.serial, peers))
 
     def choose(
-        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
+        self,
+        request: RequestLoad | None = None,
+        eligible: Callable[[str], bool] = _any_instance,
+        cached: CachedBlocks = NO_CACHE,
     ) -> DispatchDecision | None:
-        top = self._top(request)
+        if self._policy.prefix_score is None:
+            cached = NO_CACHE
+        top = self._top(request, cached)
         if top is None:
             return None
         ids, all_busy = top
@@ -224,22 +266,23 @@ class _ScoreRanking(Ranking):
             return DispatchDecision(rng.choice(ids), all_busy)
         # The choice fell on (could fall on) an instance the caller cannot send to: choose again
         # among the eligible instances only. The draw stays uniform among the eligible best.
-        top = self._top(request, {iid for iid in self._loads if not eligible(iid)})
+        top = self._top(request, cached, {iid for iid in self._loads if not eligible(iid)})
         if top is None:
             return None
         ids, all_busy = top
         return DispatchDecision(rng.choice(ids), all_busy)
 
-    def _top(self, request: RequestLoad | None, passed_over: Collection[str] = ()
+    def _top(self, request: RequestLoad | None, cached: CachedBlocks, passed_over: Collection[str] = ()
              ) -> tuple[list[str], bool] | None:
         """The ids the choice is drawn from, sorted, and whether they are all busy; None without
         instances.
 
-        Scores the instances of each group in bound order, one score per bound, the groups in order
-        of their best bound. It stops at a bound below the k best scores and not tied with the best
-        (no instance from there on can be chosen), and within a group also at a bound further below
-        its k-th scored instance than the tie tolerance (peers score no higher than their bounds
-        say)."""
+        First scores every instance with cached blocks of the request (their scores need not follow
+        their peers' order), then the others: the instances of each group in bound order, one score
+        per bound, the groups in order of their best bound. It stops at a bound below the k best
+        scores and not tied with the best (no instance from there on can be chosen), and within a
+        group also at a bound further below its k-th scored instance than the tie tolerance (peers
+        score no higher than their bounds say)."""
         policy = self._policy
         k = policy.top_k
         exact = policy.bound is None
@@ -258,6 +301,21 @@ class _ScoreRanking(Ranking):
             return prune and kth_bound is not None and \
                 kth_bound - bound > 2e-9 * max(1.0, abs(best), abs(top_bound))
 
+        def add(score: float, ids: list[str]) -> None:
+            nonlocal best
+            scored.append((score, ids))
+            best = max(best, score)
+            for _ in range(min(len(ids), k)):
+                if len(k_best) < k:
+                    heapq.heappush(k_best, score)
+                elif score > k_best[0]:
+                    heapq.heapreplace(k_best, score)
+
+        hit = [iid for iid in cached if iid in self._loads and iid not in passed_over]
+        if hit:
+            for iid in sorted(hit):
+                add(policy.score_cached(self._loads[iid][2], request, cached[iid]), [iid])
+            passed_over = {*passed_over, *hit}
         for head, _, peers in self._heads:
             if out_of_reach(-head):
                 break
@@ -278,13 +336,7 @@ class _ScoreRanking(Ranking):
                     if not ids:
                         continue
                 score = bound if exact else policy.score(self._loads[ids[0]][2], request)
-                scored.append((score, ids))
-                best = max(best, score)
-                for _ in range(min(len(ids), k)):
-                    if len(k_best) < k:
-                        heapq.heappush(k_best, score)
-                    elif score > k_best[0]:
-                        heapq.heapreplace(k_best, score)
+                add(score, ids)
                 scored_here += len(ids)
                 if scored_here >= k and kth_bound is None:
                     kth_bound = bound
@@ -337,7 +389,10 @@ class _IdRanking(Ranking):
             del self._ids[at]
 
     def choose(
-        self, request: RequestLoad | None = None, eligible: Callable[[str], bool] = _any_instance
+        self,
+        request: RequestLoad | None = None,
+        eligible: Callable[[str], bool] = _any_instance,
+        cached: CachedBlocks = NO_CACHE,
     ) -> DispatchDecision | None:
         ids = self._ids
         last = self._policy.last
@@ -354,6 +409,28 @@ def _same(a: float, b: float) -> bool:
     return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
 
+def prefix_freeness(
+    load: InstanceLoad,
+    request: RequestLoad | None,
+    cached_blocks: float,
+    weight: float = DEFAULT_PREFIX_WEIGHT,
+    busy_freeness: float = DEFAULT_BUSY_FREENESS,
+    config: LoadModelConfig = DEFAULT_LOAD_MODEL,
+) -> float:
+    """llumnix's score on an instance holding `cached_blocks` of the request's prompt in its cache.
+
+    Memory: the cached blocks are blocks the request does not need there (`dispatch_freeness`).
+    Compute: the instance skips that part of the prefill, so its headroom above the busy threshold
+    counts 1 + `weight` x (share of the prompt cached) times: with 90% of the prompt cached and weight
+    1, another instance wins only with 1.9x the headroom. Below the threshold nothing changes: a hit
+    never makes a busy instance look free, and the request still goes where memory is."""
+    score = dispatch_freeness(load, request, config, cached_blocks)
+    if score < busy_freeness or request is None or request.prompt_tokens <= 0:
+        return score
+    share = min(1.0, cached_blocks * load.block_size / request.prompt_tokens)
+    return busy_freeness + (score - busy_freeness) * (1.0 + weight * share)
+
+
 def make_dispatch_policy(
     name: str,
     *,
@@ -361,8 +438,12 @@ def make_dispatch_policy(
     top_k: int = 1,
     load_model: LoadModelConfig = DEFAULT_LOAD_MODEL,
     rng: random.Random | None = None,
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
 ) -> DispatchPolicy:
-    """Build a dispatch policy by name (one of POLICY_NAMES)."""
+    """Build a dispatch policy by name (one of POLICY_NAMES). `prefix_weight` (llumnix only): the
+    weight of `prefix_freeness` (0: prefix caches are ignored)."""
+    if not (prefix_weight >= 0 and math.isfinite(prefix_weight)):
+        raise ValueError(f"prefix weight must be a finite number >= 0, got {prefix_weight}")
     if name == "llumnix":
         return ScoringPolicy(
             "llumnix",
@@ -372,6 +453,11 @@ def make_dispatch_policy(
             is_busy=lambda score: score < busy_freeness,
             top_k=top_k,
             rng=rng,
+            prefix_score=None if prefix_weight == 0 else (
+                lambda load, request, blocks: prefix_freeness(
+                    load, request, blocks, prefix_weight, busy_freeness, load_model
+                )
+            ),
         )
     if name == "infaas++":
         return ScoringPolicy(

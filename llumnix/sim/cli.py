@@ -18,7 +18,7 @@ from llumnix.sim.experiments import EXPERIMENTS, run_experiment
 from llumnix.sim.metrics import class_summaries
 from llumnix.sim.runner import RunSpec, simulate_with_bar
 from llumnix.sim.systems import SYSTEMS
-from llumnix.traces import TRACE_PRESETS
+from llumnix.traces import SHARED_PREFIX_TRACES, TRACE_PRESETS
 
 TABLE_COLUMNS = (
     ("prefill_mean", "prefill mean"),
@@ -28,6 +28,7 @@ TABLE_COLUMNS = (
     ("e2e_mean", "e2e mean"),
     ("e2e_p99", "e2e p99"),
     ("preemption_loss", "preempt loss"),
+    ("prefix_hit_rate", "prefix hit"),
     ("fragmentation_mean", "frag"),
     ("avg_instances", "instances"),
     ("migrations", "migrations"),
@@ -39,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         default="M-M",
-        help=f"length distribution: one of {', '.join(TRACE_PRESETS)} (default M-M)",
+        help=f"length distribution: one of {', '.join(TRACE_PRESETS)}, or a shared-prefix trace:"
+        f" {', '.join(SHARED_PREFIX_TRACES)} (default M-M)",
     )
     parser.add_argument(
         "--dataset",

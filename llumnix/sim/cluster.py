@@ -25,13 +25,14 @@ from llumnix.load import RequestLoad
 from llumnix.policies.autoscaling import decide
 from llumnix.policies.dispatch import make_dispatch_policy
 from llumnix.policies.migration import admits, pair_migrations, select_request
+from llumnix.prefix_cache import PrefixIndex, block_hashes, cacheable_blocks
 from llumnix.profile import LatencyProfile
 from llumnix.sim.instance import EngineConfig, SimInstance
 from llumnix.sim.metrics import SimResult, fragmented_blocks
 from llumnix.sim.migration import Migration, Outcome
 from llumnix.sim.request import SimRequest
 from llumnix.sim.systems import SimConfig, SystemSpec
-from llumnix.traces import TraceRequest
+from llumnix.traces import TraceRequest, request_token_ids
 
 Progress = Callable[[float, int], None]
 """(virtual time, finished requests) -> None, called now and then during a run."""
@@ -62,6 +63,7 @@ class Cluster:
             max_num_batched_tokens=profile.max_num_batched_tokens,
             watermark=config.watermark,
             chunked_prefill=config.chunked_prefill,
+            prefix_caching=config.prefix_caching,
         )
         capacity = (self.engine.total_blocks - self.engine.watermark_blocks) * profile.block_size
         too_long = [t for t in trace if t.prompt_tokens + t.output_tokens > capacity]
@@ -79,6 +81,8 @@ class Cluster:
                 t.output_tokens,
                 trace_high_priority=t.high_priority,
                 high_priority=t.high_priority and system.priorities,
+                block_hashes=block_hashes(request_token_ids(t), profile.block_size)
+                if t.segments and config.prefix_caching else (),
             )
             for t in sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
         ]
@@ -87,7 +91,10 @@ class Cluster:
             top_k=config.dispatch_top_k,
             load_model=config.load_model,
             rng=random.Random(seed),
+            prefix_weight=system.prefix_weight,
         )
+        self.prefix_index = PrefixIndex()
+        """What every instance has cached, kept from the changes they report (as the router does)."""
         scaling = config.autoscaling
         if scaling is not None:
             instances = min(max(instances, scaling.min_instances, 1), scaling.max_instances)
@@ -167,6 +174,7 @@ class Cluster:
         result.duration = self.now
         result.avg_instances = self._instance_area / self.now if self.now > 0 else float(len(self.ready))
         result.preemptions = sum(i.preemptions for i in self._all_instances_ever)
+        result.prefix_hit_tokens = sum(i.prefix_hit_tokens for i in self._all_instances_ever)
         result.events = events
         result.wall_seconds = time.perf_counter() - started
         return result
@@ -177,11 +185,27 @@ class Cluster:
 
     # ----- handlers -----
 
+    def _cached_blocks(self, request: SimRequest) -> dict[str, int]:
+        """The request's prompt blocks each instance has cached (as its reports say)."""
+        if not request.block_hashes:
+            return {}
+        index = self.prefix_index
+        for instance in self.ready:
+            if instance.cache is not None:
+                stored, removed = instance.cache.take_changes()
+                if stored or removed:
+                    index.apply(instance.instance_id, stored, removed)
+        return index.cached_blocks(
+            request.block_hashes[: cacheable_blocks(request.prompt_tokens, self.engine.block_size)]
+        )
+
     def _dispatch(self, request: SimRequest) -> None:
         incoming = RequestLoad(
             request.request_id, request.prompt_tokens, request.generated, high_priority=request.high_priority
         )
-        decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming)
+        decision = self.dispatcher.choose(
+            [instance.snapshot() for instance in self.ready], incoming, self._cached_blocks(request)
+        )
         if decision is None:
             self.pending.append(request)
             return
@@ -290,6 +314,7 @@ class Cluster:
             if instance.num_requests == 0 and instance.migrating_in == 0 and instance.migrating_out == 0:
                 self.ready.remove(instance)
                 self.released.append(instance)
+                self.prefix_index.drop(instance.instance_id)
                 self._record_instances()
         if self.finished < len(self.requests):
             self._push(now + scaling.interval_s, self._on_autoscale)

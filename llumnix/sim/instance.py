@@ -13,6 +13,10 @@ Scheduling follows vLLM v0's default scheduler, which the paper used:
 - With `chunked_prefill`, an iteration decodes every running request and fills the rest of a
   token budget with prefill chunks (vLLM v0's chunked prefill; blocks for the whole prompt are
   allocated when the request is admitted).
+- With `prefix_caching`, full blocks are kept by content hash (`llumnix.sim.block_cache`): a request
+  whose leading blocks are cached skips their prefill, blocks held by other requests are shared,
+  and freed blocks stay cached until an allocation evicts them. Requests without block hashes
+  (the paper's traces: no two share content) neither hit nor leave anything cached.
 
 The cluster drives the instance: `plan(now)` picks the next iteration's work and returns its
 duration (from the latency profile); `complete(now)` applies it and returns the finished requests.
@@ -20,10 +24,12 @@ duration (from the latency profile); `complete(now)` applies it and returns the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.prefix_cache import cacheable_blocks
+from llumnix.sim.block_cache import BlockCache
 from llumnix.sim.request import FINISHED, PREFILLING, RESUMING, RUNNING, SUSPENDED, WAITING, SimRequest
 
 IterationTime = Callable[[int, int, int, int], float]
@@ -42,6 +48,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     chunked_prefill_tokens: int = 512
     """Token budget of a chunked-prefill iteration (vLLM v0's default with chunking on)."""
+    prefix_caching: bool = False
 
     @property
     def watermark_blocks(self) -> int:
@@ -78,8 +85,11 @@ class SimInstance:
         self._decoding: list[SimRequest] = []
         self._prefill_chunks: list[tuple[SimRequest, int]] = []
         self._snapshot: InstanceLoad | None = None
+        self.cache = BlockCache() if config.prefix_caching else None
         # Totals for the run's metrics.
         self.preemptions = 0
+        self.prefix_hit_tokens = 0
+        """Prompt tokens whose prefill a cache hit saved."""
 
     # ----- queue -----
 
@@ -188,15 +198,24 @@ class SimInstance:
             if whole_prompts and target > token_budget and chunks:
                 break
             need = -(-target // self.block_size)
-            if self.free_blocks - need < watermark:
+            cache = self.cache
+            hashes = request.block_hashes[: target // self.block_size] if cache is not None else ()
+            new = need - cache.shared(hashes) if cache is not None else need
+            if self.free_blocks - new < watermark:
                 break
             self._pop_head()
-            self.free_blocks -= need
+            hit = 0
+            if cache is not None and hashes:
+                hit = cache.hit(hashes[: cacheable_blocks(target, self.block_size)]) * self.block_size
+                cache.acquire(hashes)
+                request.held_hashes = hashes
+            self._take_free(new)
             request.blocks = need
             request.state = PREFILLING
             request.prefill_target = target
             # Staged KV counts as computed once; the last token is always recomputed.
-            request.prefilled = min(request.cached_tokens, target - 1)
+            request.prefilled = max(min(request.cached_tokens, target - 1), hit)
+            self.prefix_hit_tokens += max(0, hit - request.cached_tokens)
             request.cached_tokens = 0
             self.prefilling.append(request)
             left = target - request.prefilled
@@ -219,7 +238,26 @@ class SimInstance:
                 self._preempt(self._preemption_victim(), now)
             if request.state == RUNNING:
                 request.blocks += 1
-                self.free_blocks -= 1
+                self._take_free(1)
+
+    def _take_free(self, blocks: int) -> None:
+        """Allocate free blocks; cached content in them is evicted, the least recently freed first."""
+        self.free_blocks -= blocks
+        if self.cache is not None:
+            self.cache.fit(self.free_blocks)
+
+    def _free_request_blocks(self, request: SimRequest) -> None:
+        """Return a request's blocks: the ones it shares stay with their other holders, full blocks of
+        its computed tokens stay cached among the free blocks."""
+        freed = request.blocks
+        if self.cache is not None and (request.held_hashes or request.block_hashes):
+            held = request.held_hashes
+            computed = min(request.blocks, (request.tokens - 1) // self.block_size)
+            content = request.block_hashes[len(held) : computed]
+            freed += self.cache.release(held, content) - len(held)
+            request.held_hashes = ()
+        self.free_blocks += freed
+        request.blocks = 0
 
     def _preemption_victim(self) -> SimRequest:
         """The latest-arrived request, normal priority before high priority."""
@@ -232,8 +270,7 @@ class SimInstance:
             self.context_tokens -= request.tokens
         else:
             self.prefilling.remove(request)
-        self.free_blocks += request.blocks
-        request.blocks = 0
+        self._free_request_blocks(request)
         request.prefilled = 0
         request.preemptions += 1
         if request.preempted_at < 0:
@@ -286,8 +323,7 @@ class SimInstance:
     def _finish(self, request: SimRequest, now: float) -> None:
         self.running.remove(request)
         self.context_tokens -= request.tokens
-        self.free_blocks += request.blocks
-        request.blocks = 0
+        self._free_request_blocks(request)
         request.state = FINISHED
         request.finish_time = now
 
@@ -309,8 +345,7 @@ class SimInstance:
             self.resumed.remove(request)
         else:
             return
-        self.free_blocks += request.blocks
-        request.blocks = 0
+        self._free_request_blocks(request)
         request.state = FINISHED
         request.finish_time = now
         self._snapshot = None
@@ -321,7 +356,7 @@ class SimInstance:
         """Reserve blocks for an incoming migration; False when they are not free."""
         if blocks > self.free_blocks:
             return False
-        self.free_blocks -= blocks
+        self._take_free(blocks)
         self.reserved_blocks += blocks
         self._snapshot = None
         return True
@@ -346,20 +381,32 @@ class SimInstance:
         self.resumed.append(request)
         self._snapshot = None
 
-    def release_migrated(self, request: SimRequest, blocks: int) -> None:
-        """The final stage is done: free the `blocks` the request held here (vLLM's delayed free)."""
+    def release_migrated(self, request: SimRequest, blocks: int, held_hashes: Sequence[int]) -> None:
+        """The final stage is done: free the `blocks` the request held here (vLLM's delayed free);
+        `held_hashes`, the cached blocks among them, stay cached here as free blocks."""
         self.suspended.remove(request)
+        if self.cache is not None and held_hashes:
+            blocks += self.cache.release(held_hashes) - len(held_hashes)
         self.free_blocks += blocks
         self._snapshot = None
 
     def adopt(self, request: SimRequest, reserved: int) -> bool:
         """Take over a migrated request from `reserved` blocks held for it, topping up from the free
-        blocks if it grew; False (and nothing changes) when it no longer fits."""
+        blocks if it grew; False (and nothing changes) when it no longer fits. Its full blocks become
+        cached here (blocks other requests hold here are shared, not copied)."""
         need = -(-request.tokens // self.block_size)
-        if need - reserved > self.free_blocks:
+        cache = self.cache
+        hashes = request.block_hashes[: (request.tokens - 1) // self.block_size] if cache is not None else ()
+        new = need - cache.shared(hashes) if cache is not None else need
+        if new - reserved > self.free_blocks:
             return False
+        if cache is not None:
+            for block in hashes:
+                cache.drop_free(block)  # the copy that arrived replaces an evictable one
+            cache.acquire(hashes)
+        request.held_hashes = hashes
         self.reserved_blocks -= reserved
-        self.free_blocks += reserved - need
+        self._take_free(new - reserved)
         request.blocks = need
         request.instance_id = self.instance_id
         request.state = RESUMING
@@ -430,6 +477,11 @@ class SimInstance:
     def check_blocks(self) -> None:
         """Block accounting invariant (tests and debugging)."""
         held = sum(r.blocks for r in (*self.prefilling, *self.running, *self.suspended, *self.resumed))
+        if self.cache is not None:
+            held -= self.cache.shared_refs
+            if self.cache.free_cached > self.free_blocks:
+                raise AssertionError(f"{self.instance_id}: {self.cache.free_cached} free cached blocks"
+                                     f" > {self.free_blocks} free blocks")
         if self.free_blocks < 0 or held + self.free_blocks + self.reserved_blocks != self.total_blocks:
             raise AssertionError(
                 f"{self.instance_id}: free {self.free_blocks} + reserved {self.reserved_blocks} + held {held}"

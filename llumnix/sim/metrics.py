@@ -61,6 +61,8 @@ class SimResult:
     migrations_aborted: int = 0
     migration_stages: list[int] = field(default_factory=list)
     preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    """Prompt tokens whose prefill a prefix-cache hit saved."""
     events: int = 0
     wall_seconds: float = 0.0
 
@@ -78,6 +80,8 @@ class SimResult:
             float(np.mean(self.migration_stages)) if self.migration_stages else 0.0
         )
         stats["preemptions"] = self.preemptions
+        prompt_tokens = sum(r.prompt_tokens for r in self.requests)
+        stats["prefix_hit_rate"] = self.prefix_hit_tokens / prompt_tokens if prompt_tokens else 0.0
         stats["duration"] = self.duration
         return stats
 

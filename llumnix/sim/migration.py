@@ -103,12 +103,12 @@ class Migration:
     def _finish_final_stage(self, now: float) -> None:
         request, source, destination = self.request, self.source, self.destination
         self.downtime = now - self.final_started
-        source_blocks = request.blocks
+        source_blocks, source_hashes = request.blocks, request.held_hashes
         if destination.draining or not destination.adopt(request, self.reserved):
             source.unsuspend(request)
             return self._abort()
         self.reserved = 0
-        source.release_migrated(request, source_blocks)
+        source.release_migrated(request, source_blocks, source_hashes)
         self._end(Outcome.COMPLETED)
         return None
 

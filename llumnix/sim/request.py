@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 # Request states. Ints, not an Enum: they are compared in the simulator's innermost loop.
 WAITING = 0
 PREFILLING = 1
@@ -18,11 +20,13 @@ class SimRequest:
 
     __slots__ = (
         "arrival_time",
+        "block_hashes",
         "blocks",
         "cached_tokens",
         "finish_time",
         "first_token_time",
         "generated",
+        "held_hashes",
         "high_priority",
         "instance_id",
         "migrating",
@@ -46,6 +50,7 @@ class SimRequest:
         output_tokens: int,
         trace_high_priority: bool = False,
         high_priority: bool = False,
+        block_hashes: Sequence[int] = (),
     ) -> None:
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(f"request {request_id}: prompt and output must be at least one token")
@@ -66,6 +71,12 @@ class SimRequest:
         self.cached_tokens = 0
         """Tokens whose KV arrives with the request (a live migration's staged KV): its first prefill
         skips them."""
+        self.block_hashes = block_hashes
+        """Content hashes of the full blocks of its tokens as far as they are known (prompt, and
+        output where the trace fixes it; `llumnix.prefix_cache`); empty: content no other request
+        shares."""
+        self.held_hashes: Sequence[int] = ()
+        """The cached blocks it holds on its instance (a prefix of `block_hashes`)."""
         self.state = WAITING
         self.instance_id = ""
         self.migrating = False

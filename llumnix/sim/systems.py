@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from llumnix.load import DEFAULT_LOAD_MODEL, LoadModelConfig
 from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.dispatch import DEFAULT_PREFIX_WEIGHT
 from llumnix.policies.migration import MigrationConfig
 
 
@@ -21,6 +22,8 @@ class SystemSpec:
     migration: bool
     priorities: bool
     """Whether high-priority requests are scheduled as such (otherwise all are normal)."""
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
+    """Prefix-cache awareness of the dispatch policy (`make_dispatch_policy`); 0: freeness only."""
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -29,6 +32,8 @@ SYSTEMS: dict[str, SystemSpec] = {
     "infaas++": SystemSpec("infaas++", "infaas++", migration=False, priorities=False),
     # Ablations: each of Llumnix's two mechanisms without the other.
     "llumnix-nomig": SystemSpec("llumnix-nomig", "llumnix", migration=False, priorities=True),
+    "llumnix-noprefix": SystemSpec("llumnix-noprefix", "llumnix", migration=True, priorities=True,
+                                   prefix_weight=0.0),
     "infaas++-mig": SystemSpec("infaas++-mig", "infaas++", migration=True, priorities=False),
     "round-robin": SystemSpec("round-robin", "round-robin", migration=False, priorities=False),
     "least-requests": SystemSpec("least-requests", "least-requests", migration=False, priorities=False),
@@ -58,6 +63,8 @@ class SimConfig:
     """A drain starts only once scale-down has been wanted this long, as the operator's control loop
     does (`autoscaling.scaleDownStabilizationSeconds`, default 30 s)."""
     chunked_prefill: bool = False
+    prefix_caching: bool = True
+    """Instances keep a prefix cache (vLLM's default). Only traces with shared content hit it."""
     watermark: float = 0.01
     load_model: LoadModelConfig = DEFAULT_LOAD_MODEL
     dispatch_top_k: int = 1
