@@ -16,6 +16,7 @@ from kopf.testing import KopfRunner
 from kube_emulator import EmulatedCluster
 
 from llumnix_operator import handlers
+from llumnix_operator.metrics import OPERATOR_METRICS, PREFIX
 
 G, V, P, NS = "llumnix.io", "v1alpha1", "llmservices", "default"
 OWNED = (
@@ -64,6 +65,19 @@ def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "") -> An
             return last
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
+
+
+def reconciles(result: str) -> float:
+    return OPERATOR_METRICS.registry.get_sample_value(f"{PREFIX}_reconciles_total", {"result": result}) or 0.0
+
+
+def wait_for_ticks(count: int, timeout: float = 60.0) -> None:
+    """Until the operator (in this process) has finished `count` more control-loop ticks."""
+    def ticks() -> float:
+        return OPERATOR_METRICS.registry.get_sample_value(f"{PREFIX}_loop_tick_duration_seconds_count") or 0.0
+
+    target = ticks() + count
+    wait_for(lambda: ticks() >= target, timeout=timeout, what=f"{count} control-loop ticks")
 
 
 def llmservice(replicas: int = 2) -> dict:
@@ -216,13 +230,17 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
         wait_for(
             lambda: conditions(status_of(cluster))["Degraded"][1] != "InvalidSpec", what="spec valid again"
         )
-        time.sleep(2.0)  # let the last status write land before the restart
+        # Two whole daemon ticks after that: the status the restarted operator finds is the settled one.
+        wait_for_ticks(2)
     assert runner.exception is None, runner.output
 
     writes_before = len(list(cluster.emulator.writes()))
     pods_before = set(engine_pods(cluster))
+    reconciled_before = reconciles("unchanged")
     with operator() as runner:
-        time.sleep(5.0)
+        # The restarted operator has run its resume handler and two whole control-loop ticks.
+        wait_for(lambda: reconciles("unchanged") > reconciled_before, what="the resume handler ran")
+        wait_for_ticks(2)
     assert runner.exception is None, runner.output
     after = list(cluster.emulator.writes())[writes_before:]
     assert [w for w in after if w[1] in OWNED or w[3] == "status"] == [], (
