@@ -10,7 +10,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -267,17 +267,47 @@ async def test_stop_strings_and_stop_token_ids_end_a_request_like_vllm(engine: S
         assert by_id["choices"][0]["stop_reason"] == stop_id
 
 
-async def _collect_snapshots(addr: str, until: asyncio.Event) -> list[EngineSnapshot]:
-    subscriber = SnapshotSubscriber(addr)
-    received: list[EngineSnapshot] = []
-    try:
-        while not until.is_set():
-            snapshot = await subscriber.receive(timeout_s=0.1)
+class _SnapshotLog:
+    """Every snapshot an engine publishes from the first one `wait_for` sees: ZMQ drops what is
+    published before a subscription is in place, so a test waits for one before it acts."""
+
+    def __init__(self, addr: str) -> None:
+        self.snapshots: list[EngineSnapshot] = []
+        self._subscriber = SnapshotSubscriber(addr)
+        self._arrived = asyncio.Condition()
+        self._task = asyncio.create_task(self._collect())
+
+    async def _collect(self) -> None:
+        while True:
+            snapshot = await self._subscriber.receive(timeout_s=0.5)
             if snapshot is not None:
-                received.append(snapshot)
-    finally:
-        subscriber.close()
-    return received
+                async with self._arrived:
+                    self.snapshots.append(snapshot)
+                    self._arrived.notify_all()
+
+    async def wait_for(self, predicate: Callable[[EngineSnapshot], bool], what: str,
+                       timeout_s: float = 30.0) -> None:
+        """Until a snapshot arrives, from now on, for which `predicate` holds."""
+        start = len(self.snapshots)
+
+        def arrived() -> bool:
+            return any(predicate(s) for s in self.snapshots[start:])
+
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(arrived), timeout_s)
+            except TimeoutError:
+                raise AssertionError(f"no snapshot {what} within {timeout_s} s") from None
+
+    async def close(self) -> list[EngineSnapshot]:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._subscriber.close()
+        return self.snapshots
+
+
+def _idle(snapshot: EngineSnapshot) -> bool:
+    return not snapshot.running and not snapshot.waiting
 
 
 def _assert_blocks_add_up(snapshot: EngineSnapshot) -> None:
@@ -291,18 +321,16 @@ def _assert_blocks_add_up(snapshot: EngineSnapshot) -> None:
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_snapshots_follow_every_step_with_exact_block_accounting(engine: SimEngine) -> None:
-    done = asyncio.Event()
-    collector = asyncio.create_task(_collect_snapshots(engine.snapshot_addr, done))
-    await asyncio.sleep(0.3)  # let the subscription settle
+    log = _SnapshotLog(engine.snapshot_addr)
+    await log.wait_for(lambda _: True, "at all")
     bodies = [
         {"prompt": [40 + i] * (50 + 37 * i), "max_tokens": 60, "kv_transfer_params": {"llumlet_id": f"L{i}"}}
         for i in range(5)
     ]
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(_post(session, engine.url, body) for body in bodies))
-    await asyncio.sleep(0.5)  # idle refreshes
-    done.set()
-    snapshots = await collector
+    await log.wait_for(_idle, "of the idle engine")
+    snapshots = await log.close()
     steps = [s.step for s in snapshots]
     assert steps == sorted(set(steps))
     assert steps[-1] - steps[0] >= 60  # at least one step (and snapshot) per generated token
@@ -333,17 +361,16 @@ async def test_a_small_block_pool_queues_and_preempts_without_changing_tokens(
         "20",
     )
     try:
-        done = asyncio.Event()
-        collector = asyncio.create_task(_collect_snapshots(small.snapshot_addr, done))
-        await asyncio.sleep(0.3)
+        log = _SnapshotLog(small.snapshot_addr)
+        await log.wait_for(lambda _: True, "at all")
         bodies = [{"prompt": [60 + i] * 120, "max_tokens": 150, "return_token_ids": True} for i in range(4)]
         async with aiohttp.ClientSession() as session:
             constrained = await asyncio.gather(*(_post(session, small.url, b) for b in bodies))
             roomy = await asyncio.gather(*(_post(session, engine.url, b) for b in bodies))
             async with session.get(small.url + "/metrics") as response:
                 metrics = parse_engine_metrics(await response.text())
-        done.set()
-        snapshots = await collector
+        await log.wait_for(_idle, "of the idle engine")
+        snapshots = await log.close()
     finally:
         assert small.stop() == 0
     assert [_token_ids(r) for _, r in constrained] == [_token_ids(r) for _, r in roomy]
