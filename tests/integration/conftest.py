@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from service_auth import SERVICE_TOKEN
+from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.router.api import ApiSettings
@@ -58,10 +59,8 @@ async def start_router() -> AsyncIterator[StartRouter]:
                         ListInstanceSource(addresses))
         routers.append(router)
         await router.start()
-        for _ in range(100):
-            if len(router.instances.dispatchable()) == len(addresses):
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: len(router.instances.dispatchable()) == len(addresses),
+                         f"the router's load streams from {addresses}")
         return router
 
     yield start

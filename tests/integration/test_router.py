@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
@@ -150,8 +151,7 @@ async def test_queue_503_and_instances_added_and_removed_at_run_time(
                 return response.status, dict(response.headers), await response.json()
 
         held = [asyncio.create_task(complete(i)) for i in range(2)]
-        await asyncio.sleep(0.3)
-        assert len(router.queue) == 2
+        await wait_until(lambda: len(router.queue) == 2, "two requests held in the router's queue")
         status, headers, body = await complete(3)
         assert status == 503 and headers["Retry-After"] == "1"
         assert body["error"]["type"] == "ServiceUnavailableError"
@@ -160,7 +160,9 @@ async def test_queue_503_and_instances_added_and_removed_at_run_time(
         for status, _, body in await asyncio.gather(*held):
             assert status == 200 and len(body["choices"][0]["text"]) == 4
         source.set_addresses([instances[2].grpc_address])  # and is replaced by another
-        await asyncio.sleep(0.5)
+        replaced = [instances[2].grpc_address]
+        await wait_until(lambda: [i.address for i in router.instances.dispatchable()] == replaced,
+                         "the router to dispatch to the new instance only")
         for _ in range(3):
             status, _, _ = await complete(9)
             assert status == 200
