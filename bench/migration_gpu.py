@@ -20,7 +20,8 @@ and handed to A's engine in every export command. The report's first line says w
     python bench/migration_gpu.py --model tiny-dir --device cpu --transport gloo
 
 NCCL needs each engine on its own GPU (NCCL refuses two ranks of one communicator on one GPU): pass
-`--gpus 0,1` (CUDA_VISIBLE_DEVICES per engine).
+`--gpus 0,1` (CUDA_VISIBLE_DEVICES per engine). On one GPU, bench/gpu_check.py measures migration over
+the channels one GPU allows (tcp, gloo) through the llumlets, with the rest of the GPU check.
 """
 
 from __future__ import annotations
@@ -115,11 +116,12 @@ class Side:
         env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
         self.process = EngineProcess(EngineLaunchConfig(
             model=args.model, port=free_port(), served_model_name="bench", device=args.device,
-            dtype=args.dtype, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+            dtype=args.dtype, block_size=args.block_size,
+            # on GPU the KV cache is what the memory utilisation leaves
+            kv_cache_gib=args.kv_cache_gib if args.device == "cpu" else None,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len, snapshot_addr=self.addr, engine_id=name,
             log_path=work / f"{name}.log", extra_env=env,
-            extra_args=("--gpu-memory-utilization", str(args.gpu_memory_utilization))
-            if args.device == "gpu" else (),
         ))
 
     async def start(self) -> None:
@@ -266,10 +268,12 @@ def main() -> int:
     parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
                         help="auto: nccl when both engines are on CUDA, else tcp (as the llumlets negotiate)")
     parser.add_argument("--gpus", default="", help="CUDA devices of A and B, e.g. 0,1 (default: inherited)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--dtype", default=None, help="default: the engine's (the model's on GPU)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="default: the engine's (vLLM's choice on GPU, 32 on CPU)")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="CPU only")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="GPU: each engine's share of its GPU (0.4: two engines fit on one)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -17,8 +17,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # transformers is imported only when a model is built
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 RECIPE_FILE = "llumnix_recipe.json"
 # Bump when the build code changes what a recipe produces, so cached directories are rebuilt.
@@ -88,21 +92,16 @@ PRESETS: dict[str, TinyModelRecipe] = {
 }
 
 
-def build_tiny_model(out_dir: Path, recipe: TinyModelRecipe, progress: bool = False) -> dict[str, object]:
-    """Write the model, tokenizer and `llumnix_recipe.json` into `out_dir`; returns the recipe record."""
-    import torch
+def build_tokenizer(out_dir: Path, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer (at most `vocab_size` entries) in memory; save it to `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    steps = tqdm(total=3, desc="tiny model", unit="step", disable=not progress)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    steps.set_postfix_str("tokenizer")
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size,
+        vocab_size=vocab_size,
         special_tokens=list(_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -113,11 +112,14 @@ def build_tiny_model(out_dir: Path, recipe: TinyModelRecipe, progress: bool = Fa
     )
     tokenizer.chat_template = _CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
-    steps.update()
+    return tokenizer
 
-    steps.set_postfix_str("weights")
-    torch.manual_seed(recipe.seed)
-    config = LlamaConfig(
+
+def llama_config(recipe: TinyModelRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """The Hugging Face LLaMA configuration of `recipe` with `tokenizer`'s vocabulary and special tokens."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden,
         intermediate_size=recipe.intermediate_size,
@@ -131,7 +133,23 @@ def build_tiny_model(out_dir: Path, recipe: TinyModelRecipe, progress: bool = Fa
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
+
+
+def build_tiny_model(out_dir: Path, recipe: TinyModelRecipe, progress: bool = False) -> dict[str, object]:
+    """Write the model, tokenizer and `llumnix_recipe.json` into `out_dir`; returns the recipe record."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    steps = tqdm(total=3, desc="tiny model", unit="step", disable=not progress)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    steps.set_postfix_str("tokenizer")
+    tokenizer = build_tokenizer(out_dir, recipe.vocab_size)
+    steps.update()
+
+    steps.set_postfix_str("weights")
+    torch.manual_seed(recipe.seed)
+    model = LlamaForCausalLM(llama_config(recipe, tokenizer))
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
