@@ -75,13 +75,16 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
         max_interval = max(min_interval, (request.max_interval_ms or DEFAULT_MAX_INTERVAL_MS) / 1e3)
         last_key: tuple[object, ...] | None = None
         last_sent = -math.inf
+        cache_cursor: int | None = None  # the prefix-cache changes this stream has been sent
         while True:
             seen = self.tracker.version
             report = self.tracker.report()
             now = time.monotonic()
-            key = load_key(report) if report is not None else None
+            key = (load_key(report), self.tracker.prefix_cache.version) if report is not None else None
             if key != last_key or now - last_sent >= max_interval:
-                yield report_to_proto(report) if report is not None else self._current_load()
+                message = report_to_proto(report) if report is not None else self._current_load()
+                cache_cursor = self.tracker.prefix_cache.fill(message, cache_cursor)
+                yield message
                 last_key, last_sent = key, now
             # Wait for a change (bounded by the heartbeat), then keep the minimum spacing.
             remaining = max(0.0, max_interval - (time.monotonic() - last_sent))

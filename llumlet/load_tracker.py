@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from llumlet.engine_metrics import EngineMetrics
+from llumlet.prefix_cache import PrefixCacheMirror
 from llumlet.requests import RequestRecord, RequestTable
 from llumnix.load import (
     DEFAULT_LOAD_MODEL,
@@ -61,6 +62,8 @@ class LoadTracker:
         self.migrating_out: set[str] = set()
         self.migrating_in = 0
         self.reserved_blocks = 0
+        self.prefix_cache = PrefixCacheMirror()
+        """What the engine has in its prefix cache, from the snapshots."""
 
     # --- inputs
     @property
@@ -79,6 +82,10 @@ class LoadTracker:
             return
         base = previous.preemptions_total if same_engine else snapshot.preemptions_total
         self._snapshot_preemptions = max(0, snapshot.preemptions_total - base)
+        if previous is not None and not same_engine:
+            self.prefix_cache.engine_restarted()
+        if snapshot.HasField("prefix_cache"):
+            self.prefix_cache.apply(snapshot.prefix_cache)
         self._snapshot = snapshot
         self._snapshot_received = time.time() if received_at is None else received_at
         self.notify()

@@ -31,6 +31,9 @@ class RequestLoad:
     """When the instance admitted it (seconds, any monotonic clock); orders 'last-come'."""
     migrating: bool = False
     """True while the request is being migrated out (it must not be picked again)."""
+    prompt_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    """A request being dispatched: its prompt's token ids where the router knows them (to look its
+    prefix up in the instances' caches); empty otherwise."""
 
     @property
     def total_tokens(self) -> int:

@@ -22,6 +22,7 @@ import yaml
 
 from llumnix.load import LoadModelConfig
 from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.dispatch import DEFAULT_PREFIX_WEIGHT
 from llumnix.policies.migration import MigrationConfig
 
 API_GROUP = "llumnix.io"
@@ -158,6 +159,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "policy": {"type": "string", "enum": DISPATCH_POLICIES, "default": "llumnix"},
                 "busyFreeness": _num(0.0, desc="below this freeness an instance counts as busy"),
                 "topK": _int(1, 1, desc="random choice among the k best instances"),
+                "prefixWeight": _num(
+                    DEFAULT_PREFIX_WEIGHT, 0.0,
+                    desc="llumnix policy: how much an instance holding the prompt's prefix in its cache is"
+                    " preferred (its headroom counts 1 + weight x the cached share); 0: caches ignored",
+                ),
             }
         ),
         "migration": _obj(
@@ -397,6 +403,7 @@ class DispatchSpec:
     policy: str
     busy_freeness: float
     top_k: int
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -467,7 +474,7 @@ class ServiceSpec:
             replicas=spec.get("replicas"),
             instances=InstancesSpec(spec["instances"]["min"], spec["instances"]["max"]),
             dispatch=DispatchSpec(spec["dispatch"]["policy"], spec["dispatch"]["busyFreeness"],
-                                  spec["dispatch"]["topK"]),
+                                  spec["dispatch"]["topK"], spec["dispatch"]["prefixWeight"]),
             migration=MigrationSpec(
                 enabled=migration["enabled"], interval_ms=migration["intervalMs"],
                 freeness_threshold=migration["freenessThreshold"], select=migration["select"],

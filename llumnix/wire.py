@@ -26,6 +26,16 @@ _ENDPOINT_FROM_PB = {v: k for k, v in _ENDPOINT_TO_PB.items()}
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixChanges:
+    """What changed in an instance's prefix cache since the previous load of a stream (canonical
+    block hashes, `llumnix.prefix_cache`); `full`: `stored` is the whole cache."""
+
+    full: bool
+    stored: tuple[int, ...]
+    removed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     """An instance's load as a llumlet reports it: the snapshot plus what it computed from it."""
 
@@ -35,6 +45,8 @@ class LoadReport:
     snapshot_age_s: float
     source: LoadSource
     sequence: int = 0
+    prefix_changes: PrefixChanges | None = None
+    """Only on a load stream (`WatchLoad`): its prefix-cache changes since its previous load."""
 
 
 def source_to_proto(source: LoadSource) -> int:
@@ -121,6 +133,10 @@ def report_from_proto(msg: pb.InstanceLoad) -> LoadReport:
         reserved_blocks=msg.reserved_blocks,
         timestamp=msg.timestamp,
     )
+    changes = None
+    if msg.HasField("prefix_cache"):
+        cache = msg.prefix_cache
+        changes = PrefixChanges(cache.full, tuple(cache.stored), tuple(cache.removed))
     return LoadReport(
         load=load,
         freeness=msg.freeness,
@@ -128,6 +144,7 @@ def report_from_proto(msg: pb.InstanceLoad) -> LoadReport:
         snapshot_age_s=msg.snapshot_age_s,
         source=source_from_proto(msg.source),
         sequence=msg.sequence,
+        prefix_changes=changes,
     )
 
 

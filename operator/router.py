@@ -49,6 +49,8 @@ def router_args(settings: ServiceSettings) -> list[str]:
         str(dispatch.busy_freeness),
         "--top-k",
         str(dispatch.top_k),
+        "--prefix-weight",
+        str(dispatch.prefix_weight),
         "--high-priority-target-tokens",
         str(priorities.target_load_tokens),
         "--priority-header",

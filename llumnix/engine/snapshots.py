@@ -1,8 +1,10 @@
 """The local channel between an engine and its llumlet: `EngineSnapshot` messages (proto/llumnix/v1/
 engine.proto) over a ZeroMQ PUB/SUB socket, normally `ipc://` on a path both containers share.
 
-The subscriber keeps only the newest message (ZMQ_CONFLATE): a snapshot supersedes every older one,
-so a slow reader never falls behind and the publisher never blocks an engine step.
+The subscriber returns only the newest message: a snapshot supersedes every older one, so a slow
+reader never falls behind, and the publisher never blocks an engine step (it drops messages a slow
+reader leaves queued). What a snapshot reports incrementally, the prefix cache's changes, is
+merged over the messages read at once (`merge_updates`), so none is lost between them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import zmq
 import zmq.asyncio
 
+from llumnix.engine.prefix_cache_report import merge_updates
 from llumnix.v1.engine_pb2 import EngineSnapshot
 
 SNAPSHOT_SCHEMA_VERSION = 1
@@ -44,7 +47,7 @@ class SnapshotSubscriber:
     def __init__(self, addr: str) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.CONFLATE, 1)
+        self._sock.setsockopt(zmq.RCVHWM, 1000)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.connect(addr)
@@ -53,14 +56,23 @@ class SnapshotSubscriber:
     async def receive(self, timeout_s: float) -> EngineSnapshot | None:
         if not await self._sock.poll(timeout=int(timeout_s * 1000)):
             return None
-        payload = await self._sock.recv()
-        # Messages queued before the conflating queue (the publisher's pipe) can still be older than
-        # what follows them: drain to the newest.
+        snapshot = self._parse(await self._sock.recv())
+        # Drain to the newest, carrying the prefix-cache changes of the ones it supersedes.
         while True:
             try:
-                payload = self._sock.recv(zmq.NOBLOCK).result()
+                newer = self._parse(self._sock.recv(zmq.NOBLOCK).result())
             except zmq.Again:
                 break
+            if snapshot.HasField("prefix_cache") and snapshot.engine_id == newer.engine_id:
+                if newer.HasField("prefix_cache"):
+                    newer.prefix_cache.CopyFrom(merge_updates(snapshot.prefix_cache, newer.prefix_cache))
+                else:
+                    newer.prefix_cache.CopyFrom(snapshot.prefix_cache)
+            snapshot = newer
+        return snapshot
+
+    @staticmethod
+    def _parse(payload: bytes) -> EngineSnapshot:
         snapshot = EngineSnapshot.FromString(payload)
         if snapshot.schema_version != SNAPSHOT_SCHEMA_VERSION:
             raise ValueError(

@@ -20,7 +20,7 @@ import uvloop
 
 from llumnix.jsonlog import configure_json_logging
 from llumnix.load import DEFAULT_HIGH_PRIORITY_TARGET_TOKENS, LoadModelConfig
-from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, POLICY_NAMES
+from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, DEFAULT_PREFIX_WEIGHT, POLICY_NAMES
 from llumnix.router import workers
 from llumnix.router.api import ApiSettings
 from llumnix.router.api_keys import API_KEYS_ENV, load_api_keys
@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy-freeness", type=float,
                         help=f"below this freeness an instance is busy (default {DEFAULT_BUSY_FREENESS})")
     parser.add_argument("--top-k", type=int, help="random choice among the k best instances (default 1)")
+    parser.add_argument("--prefix-weight", type=float,
+                        help="llumnix policy: preference for an instance holding a token-id prompt's prefix "
+                        f"in its cache, 0: ignore caches (default {DEFAULT_PREFIX_WEIGHT})")
     parser.add_argument("--high-priority-target-tokens", type=int,
                         help=f"load model: load kept on instances with high-priority requests "
                         f"(default {DEFAULT_HIGH_PRIORITY_TARGET_TOKENS})")
@@ -125,6 +128,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         dispatch_policy=_first(args.dispatch_policy, dispatch.policy),
         busy_freeness=float(_first(args.busy_freeness, dispatch.busy_freeness)),
         top_k=_first(args.top_k, dispatch.top_k),
+        prefix_weight=float(_first(args.prefix_weight, dispatch.prefix_weight)),
         load_model=LoadModelConfig(_first(args.high_priority_target_tokens, priorities.target_load_tokens)),
         queue_capacity=args.queue_size,
         queue_timeout_s=args.queue_timeout,

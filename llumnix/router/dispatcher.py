@@ -1,6 +1,8 @@
 """Choose an instance for a request: the shared dispatch policy over the instances' latest loads plus
 the router's in-flight accounting, and a bounded queue (priority, then arrival) that holds requests
-while every instance is busy."""
+while every instance is busy. A request whose prompt token ids are known is looked up in the
+instances' prefix caches (the index their load streams keep), so the policy can prefer an instance
+that has its prefix cached."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from llumnix.load import RequestLoad
-from llumnix.policies.dispatch import DispatchPolicy
+from llumnix.policies.dispatch import NO_CACHE, CachedBlocks, DispatchPolicy
+from llumnix.prefix_cache import block_hashes, cacheable_blocks
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
@@ -32,6 +35,11 @@ class Dispatcher:
         """The instance id each ranked instance is ranked under (a restarted llumlet may change it)."""
         self._idle: dict[Instance, None] = {}
         """Ranked instances with nothing to finish."""
+        self._block_size = 0
+        """Of the instances' KV blocks (one model, one block size), for hashing prompts."""
+        self._hashed: tuple[str, int, list[int]] = ("", 0, [])
+        """(request id, block size, prompt block hashes) of the request dispatched last: a held
+        request is dispatched again on every wake-up."""
         for instance in instances.all():
             self._rerank(instance)
         instances.on_load_change(self._rerank)
@@ -42,7 +50,8 @@ class Dispatcher:
         started = time.perf_counter()
         now = time.monotonic()
         by_id = self._by_id
-        decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now))
+        decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now),
+                                        self._cached_blocks(request))
         chosen = None
         if decision is not None:
             chosen = by_id[decision.instance_id]
@@ -55,6 +64,19 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.dispatch_seconds.observe(time.perf_counter() - started)
         return chosen
+
+    def _cached_blocks(self, request: RequestLoad) -> CachedBlocks:
+        """The request's prompt blocks each instance has cached."""
+        index = self.instances.prefix_index
+        if not request.prompt_token_ids or not len(index) or self._block_size < 1:
+            return NO_CACHE
+        request_id, block_size, hashes = self._hashed
+        if request_id != request.request_id or block_size != self._block_size:
+            block_size, tokens = self._block_size, request.prompt_token_ids
+            cacheable = cacheable_blocks(len(tokens), block_size) * block_size
+            hashes = block_hashes(tokens[:cacheable], block_size)
+            self._hashed = (request.request_id, block_size, hashes)
+        return index.cached_blocks(hashes)
 
     def _rerank(self, instance: Instance) -> None:
         load = None if instance.removed or instance.report is None else instance.effective_load()
@@ -69,6 +91,7 @@ class Dispatcher:
             return
         self._ranked_as[instance] = load.instance_id
         self._by_id[load.instance_id] = instance
+        self._block_size = load.block_size
         self._ranking.update(load)
         if instance.is_idle():
             self._idle[instance] = None

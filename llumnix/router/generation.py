@@ -29,6 +29,7 @@ from llumnix.router.dispatcher import DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.router.prompt_ids import token_id_prompt
 from llumnix.router.serve_session import InstanceStreamDown
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.wire import chunk_from_proto, endpoint_to_proto
@@ -98,13 +99,15 @@ class Generation:
         """The spliced output, in the batches it arrived in (never empty); raises RouterError when the
         request cannot be completed."""
         endpoint, body = self.request.endpoint, self.request.body
+        prompt_ids = token_id_prompt(endpoint, body)  # looked up in the instances' prefix caches
         target: Instance | None = None
         attach_id: str | None = None  # after a move: the next call attaches at the destination
         for attempt in range(self.limits.max_attempts):
             sub_id = self.request.request_id if attempt == 0 else f"{self.request.request_id}.{attempt}"
             sub_id = attach_id or sub_id
             load = RequestLoad(sub_id, self.request.prompt_tokens_estimate + self.out.tokens,
-                               high_priority=self.request.high_priority, arrival_time=time.time())
+                               high_priority=self.request.high_priority, arrival_time=time.time(),
+                               prompt_token_ids=prompt_ids)
             if target is None:
                 instance = await self.queue.acquire(load, self.request.high_priority)
             else:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import InstanceLoad, RequestLoad, with_pending, without_requests
+from llumnix.prefix_cache import PrefixIndex
 from llumnix.router.instance_source import InstanceSource
 from llumnix.router.serve_session import ServeSession
 from llumnix.service_token import ServiceToken
@@ -32,8 +33,10 @@ class Instance(LlumletConnection):
 
     def __init__(self, address: str, on_change: Callable[[], None],
                  on_load_change: Callable[[Instance], None] = lambda _instance: None, *,
-                 token: ServiceToken | None = None) -> None:
+                 token: ServiceToken | None = None, prefix_index: PrefixIndex | None = None) -> None:
         super().__init__(address, on_change, token=token)
+        self.prefix_index = prefix_index
+        """Where the prefix-cache changes of this instance's load stream go."""
         self.serve = ServeSession(self.stub, self.call_metadata)
         """The data path: every request the router runs here travels on this one stream."""
         self._on_load_change = on_load_change
@@ -90,6 +93,9 @@ class Instance(LlumletConnection):
         self._on_change()
 
     def _observed(self, report: LoadReport) -> None:
+        changes = report.prefix_changes
+        if changes is not None and self.prefix_index is not None:
+            self.prefix_index.apply(report.load.instance_id, changes.stored, changes.removed, changes.full)
         self._effective = None
         if self.pending or self.ended:
             listed = _listed(report.load)
@@ -118,6 +124,8 @@ class InstanceSet:
         self._closing: set[asyncio.Task[None]] = set()
         self._load_listeners: list[Callable[[Instance], None]] = []
         self.changed = asyncio.Event()
+        self.prefix_index = PrefixIndex()
+        """Every instance's prefix cache, from the load streams (prefix-aware dispatch)."""
 
     def all(self) -> list[Instance]:
         return list(self._by_address.values())
@@ -158,7 +166,8 @@ class InstanceSet:
         instance = self._by_address.get(address)
         if instance is None:
             instance = self._by_address[address] = Instance(address, self._notify, self._load_changed,
-                                                                  token=self.token)
+                                                                  token=self.token,
+                                                                  prefix_index=self.prefix_index)
             if watch:
                 instance.start()
             logger.info("instance added", extra={"address": address})
@@ -178,6 +187,7 @@ class InstanceSet:
         if instance is not None:
             # Requests running there keep their stream; the channel closes when they are done.
             instance.removed = True
+            self.prefix_index.drop(instance.instance_id)
             self._load_changed(instance)
             logger.info("instance removed", extra={"address": address})
             self._notify()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from llumnix.load import LoadModelConfig
-from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, make_dispatch_policy
+from llumnix.policies.dispatch import DEFAULT_BUSY_FREENESS, DEFAULT_PREFIX_WEIGHT, make_dispatch_policy
 from llumnix.router.api import ApiSettings, RouterApi
 from llumnix.router.api_keys import ApiKeyChecker
 from llumnix.router.dispatcher import Dispatcher, DispatchQueue
@@ -33,6 +33,7 @@ class RouterConfig:
     dispatch_policy: str = "llumnix"
     busy_freeness: float = DEFAULT_BUSY_FREENESS
     top_k: int = 1
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     load_model: LoadModelConfig = field(default_factory=LoadModelConfig)
     queue_capacity: int = 1024
     queue_timeout_s: float = 60.0
@@ -50,7 +51,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.instances = InstanceSet(source, on_change=self._wake, token=config.service_token)
         policy = make_dispatch_policy(config.dispatch_policy, busy_freeness=config.busy_freeness,
-                                      top_k=config.top_k, load_model=config.load_model)
+                                      top_k=config.top_k, load_model=config.load_model,
+                                      prefix_weight=config.prefix_weight)
         self.dispatcher = Dispatcher(policy, self.instances, self.metrics)
         self.queue = DispatchQueue(self.dispatcher, config.queue_capacity, config.queue_timeout_s,
                                    self.metrics)

@@ -95,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="size of the fake KV payload per block that live migrations send (default: %(default)s)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="as vLLM's automatic prefix caching: full blocks are kept by content and shared, a prompt "
+        "whose leading blocks are cached skips their prefill, and the snapshots report the cached blocks "
+        "(default: off)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -118,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         eos_probability=args.eos_probability,
         priority_scheduling=args.scheduling_policy == "priority",
         kv_bytes_per_block=args.kv_bytes_per_block,
+        prefix_caching=args.enable_prefix_caching,
     )
     try:
         server = SimEngineServer(config)

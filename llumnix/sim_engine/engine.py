@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llumnix.engine.engine_snapshot import build_snapshot
+from llumnix.engine.prefix_cache_report import PrefixCacheReporter
+from llumnix.prefix_cache import block_hashes
 from llumnix.sim.instance import SimInstance
 from llumnix.sim.request import FINISHED, SimRequest
 from llumnix.sim_engine.requests import GenerationRequest
@@ -142,6 +144,9 @@ class SimEngine:
         self.finished_by_reason: Counter[str] = Counter()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.prefix_cache_queries_total = 0
+        """Prompt tokens looked up in the prefix cache (vLLM's vllm:prefix_cache_queries)."""
+        self._prefix_report = PrefixCacheReporter() if instance.cache is not None else None
 
     @property
     def generations(self) -> list[Generation]:
@@ -149,13 +154,17 @@ class SimEngine:
 
     def add(self, engine_request_id: str, params: GenerationRequest) -> Generation:
         now = time.time()
+        caching = self._prefix_report is not None
         sim = SimRequest(
             engine_request_id,
             now,
             len(params.prompt_token_ids),
             params.max_tokens,
             high_priority=self.priority_scheduling and params.priority < 0,
+            block_hashes=block_hashes(params.prompt_token_ids, self.instance.block_size) if caching else (),
         )
+        if caching:
+            self.prefix_cache_queries_total += len(params.prompt_token_ids)
         generation = Generation(engine_request_id, params, sim, now)
         self._generations[engine_request_id] = generation
         if self.migration is not None:
@@ -222,5 +231,15 @@ class SimEngine:
         """Publishes the engine state (once per step, as the KV connector does)."""
         self.step += 1
         if self._snapshot_sink is not None:
-            state = capture_state(self.instance, self._generations, time.time())
-            self._snapshot_sink(build_snapshot(self.engine_id, self.step, self.instance.block_size, state))
+            now = time.time()
+            state = capture_state(self.instance, self._generations, now)
+            snapshot = build_snapshot(self.engine_id, self.step, self.instance.block_size, state)
+            report, cache = self._prefix_report, self.instance.cache
+            if report is not None and cache is not None:
+                stored, removed = cache.take_changes()
+                report.stored(stored)
+                report.removed(removed)
+                update = report.update(now)
+                if update is not None:
+                    snapshot.prefix_cache.CopyFrom(update)
+            self._snapshot_sink(snapshot)

@@ -56,6 +56,16 @@ class EngineCollector(Collector):
         yield self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", engine.generation_tokens_total
         )
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            engine.prefix_cache_queries_total,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            instance.prefix_hit_tokens,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

@@ -55,6 +55,8 @@ class SimEngineConfig:
     priority_scheduling: bool = False
     kv_bytes_per_block: int = DEFAULT_KV_BYTES_PER_BLOCK
     """Size of the fake KV payload per block that migrations send."""
+    prefix_caching: bool = False
+    """vLLM's automatic prefix caching (blocks by content hash, reported in the snapshots)."""
 
 
 def _dumps(body: Any) -> str:
@@ -80,6 +82,7 @@ def build_engine(
         block_size=block_size,
         max_num_seqs=config.max_num_seqs or profile.max_num_seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens,
+        prefix_caching=config.prefix_caching,
     )
     # A sequence of the maximum length must fit the pool above the admission watermark.
     usable_tokens = (num_blocks - engine_config.watermark_blocks) * block_size

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llumnix/v1/engine.proto\x12\nllumnix.v1\"\xc2\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x15\n\rhigh_priority\x18\x07 \x01(\x08\x12\x14\n\x0c\x61rrival_time\x18\x08 \x01(\x01\"\x8e\x02\n\x0e\x45ngineSnapshot\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12*\n\x07running\x18\x08 \x03(\x0b\x32\x19.llumnix.v1.EngineRequest\x12*\n\x07waiting\x18\t \x03(\x0b\x32\x19.llumnix.v1.EngineRequest\x12\x19\n\x11preemptions_total\x18\n \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llumnix/v1/engine.proto\x12\nllumnix.v1\"\xc2\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x65ngine_request_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06\x62locks\x18\x06 \x01(\r\x12\x15\n\rhigh_priority\x18\x07 \x01(\x08\x12\x14\n\x0c\x61rrival_time\x18\x08 \x01(\x01\"`\n\x11PrefixCacheUpdate\x12\r\n\x05since\x18\x01 \x01(\x04\x12\r\n\x05until\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x06\x12\x0f\n\x07removed\x18\x05 \x03(\x06\"\xd9\x02\n\x0e\x45ngineSnapshot\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12*\n\x07running\x18\x08 \x03(\x0b\x32\x19.llumnix.v1.EngineRequest\x12*\n\x07waiting\x18\t \x03(\x0b\x32\x19.llumnix.v1.EngineRequest\x12\x19\n\x11preemptions_total\x18\n \x01(\x04\x12\x38\n\x0cprefix_cache\x18\x0b \x01(\x0b\x32\x1d.llumnix.v1.PrefixCacheUpdateH\x00\x88\x01\x01\x42\x0f\n\r_prefix_cacheb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEREQUEST']._serialized_start=40
   _globals['_ENGINEREQUEST']._serialized_end=234
-  _globals['_ENGINESNAPSHOT']._serialized_start=237
-  _globals['_ENGINESNAPSHOT']._serialized_end=507
+  _globals['_PREFIXCACHEUPDATE']._serialized_start=236
+  _globals['_PREFIXCACHEUPDATE']._serialized_end=332
+  _globals['_ENGINESNAPSHOT']._serialized_start=335
+  _globals['_ENGINESNAPSHOT']._serialized_end=680
 # @@protoc_insertion_point(module_scope)

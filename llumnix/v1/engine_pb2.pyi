@@ -26,8 +26,22 @@ class EngineRequest(_message.Message):
     arrival_time: float
     def __init__(self, request_id: _Optional[str] = ..., engine_request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., high_priority: _Optional[bool] = ..., arrival_time: _Optional[float] = ...) -> None: ...
 
+class PrefixCacheUpdate(_message.Message):
+    __slots__ = ("since", "until", "full", "stored", "removed")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    since: int
+    until: int
+    full: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, since: _Optional[int] = ..., until: _Optional[int] = ..., full: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class EngineSnapshot(_message.Message):
-    __slots__ = ("schema_version", "engine_id", "step", "timestamp", "total_blocks", "free_blocks", "block_size", "running", "waiting", "preemptions_total")
+    __slots__ = ("schema_version", "engine_id", "step", "timestamp", "total_blocks", "free_blocks", "block_size", "running", "waiting", "preemptions_total", "prefix_cache")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +52,7 @@ class EngineSnapshot(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     engine_id: str
     step: int
@@ -48,4 +63,5 @@ class EngineSnapshot(_message.Message):
     running: _containers.RepeatedCompositeFieldContainer[EngineRequest]
     waiting: _containers.RepeatedCompositeFieldContainer[EngineRequest]
     preemptions_total: int
-    def __init__(self, schema_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., step: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[_Iterable[_Union[EngineRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[EngineRequest, _Mapping]]] = ..., preemptions_total: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheUpdate
+    def __init__(self, schema_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., step: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[_Iterable[_Union[EngineRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[EngineRequest, _Mapping]]] = ..., preemptions_total: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheUpdate, _Mapping]] = ...) -> None: ...

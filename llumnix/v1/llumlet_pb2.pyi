@@ -61,8 +61,18 @@ class RequestLoad(_message.Message):
     migrating: bool
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., high_priority: _Optional[bool] = ..., arrival_time: _Optional[float] = ..., migrating: _Optional[bool] = ...) -> None: ...
 
+class PrefixCacheChanges(_message.Message):
+    __slots__ = ("full", "stored", "removed")
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    full: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, full: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class InstanceLoad(_message.Message):
-    __slots__ = ("instance_id", "total_blocks", "free_blocks", "block_size", "running", "waiting", "draining", "preemptions", "migrating_out", "migrating_in", "reserved_blocks", "timestamp", "freeness", "virtual_usage", "snapshot_age_s", "source", "sequence")
+    __slots__ = ("instance_id", "total_blocks", "free_blocks", "block_size", "running", "waiting", "draining", "preemptions", "migrating_out", "migrating_in", "reserved_blocks", "timestamp", "freeness", "virtual_usage", "snapshot_age_s", "source", "sequence", "prefix_cache")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +90,7 @@ class InstanceLoad(_message.Message):
     SNAPSHOT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     total_blocks: int
     free_blocks: int
@@ -97,7 +108,8 @@ class InstanceLoad(_message.Message):
     snapshot_age_s: float
     source: LoadSource
     sequence: int
-    def __init__(self, instance_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., migrating_out: _Optional[int] = ..., migrating_in: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., timestamp: _Optional[float] = ..., freeness: _Optional[float] = ..., virtual_usage: _Optional[float] = ..., snapshot_age_s: _Optional[float] = ..., source: _Optional[_Union[LoadSource, str]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheChanges
+    def __init__(self, instance_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., draining: _Optional[bool] = ..., preemptions: _Optional[int] = ..., migrating_out: _Optional[int] = ..., migrating_in: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., timestamp: _Optional[float] = ..., freeness: _Optional[float] = ..., virtual_usage: _Optional[float] = ..., snapshot_age_s: _Optional[float] = ..., source: _Optional[_Union[LoadSource, str]] = ..., sequence: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheChanges, _Mapping]] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ("min_interval_ms", "max_interval_ms")
