@@ -90,17 +90,24 @@ class Llumlet:
             destination_instance_id=destination.pair.config.instance_id,
             destination_address=destination.pair.grpc_address, request_id=request_id), timeout=60)
 
-    async def wait_idle(self, timeout_s: float = 10.0) -> pb.InstanceLoad:
-        """The load once no request runs and no migration holds anything here."""
+    async def wait_load(self, condition: Callable[[pb.InstanceLoad], bool], what: str,
+                        timeout_s: float = 10.0) -> pb.InstanceLoad:
+        """The first load this llumlet reports for which `condition` holds."""
         deadline = time.monotonic() + timeout_s
         while True:
             load = await self.api.GetLoad(pb.GetLoadRequest())
-            if (not load.running and not load.waiting and load.reserved_blocks == 0 and load.migrating_in == 0
-                    and load.migrating_out == 0 and load.free_blocks == load.total_blocks):
+            if condition(load):
                 return load
             if time.monotonic() > deadline:
-                raise AssertionError(f"not idle after {timeout_s} s: {load}")
-            await asyncio.sleep(0.05)
+                raise AssertionError(f"not {what} after {timeout_s} s: {load}")
+            await asyncio.sleep(0.02)
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> pb.InstanceLoad:
+        """The load once no request runs and no migration holds anything here."""
+        return await self.wait_load(
+            lambda load: (not load.running and not load.waiting and load.reserved_blocks == 0
+                          and load.migrating_in == 0 and load.migrating_out == 0
+                          and load.free_blocks == load.total_blocks), "idle", timeout_s)
 
 
 @dataclass
@@ -248,7 +255,7 @@ async def test_destination_dying_mid_stage_aborts_and_the_source_continues(
     stream, task = cluster.stager.generate("m-7", body)
     await _after_tokens(stream, 10)
     migration = asyncio.create_task(cluster.stager.migrate_out(doomed, "m-7"))
-    await asyncio.sleep(0.5)
+    await doomed.wait_load(lambda load: load.migrating_in == 1 and load.reserved_blocks > 0, "staging")
     doomed_pair.kill_engine()
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result
