@@ -86,6 +86,11 @@ class Router:
         self.port = self._runner.addresses[0][1]
         logger.info("router started", extra={"port": self.port, "policy": self.config.dispatch_policy,
                                              "api_keys": bool(self.config.api_keys)})
+        if self.config.dispatch_policy == "llumnix" and self.config.prefix_weight > 0:
+            # The router has no tokenizer: only prompts given as token ids can be hashed.
+            logger.info("prefix-aware dispatch on for completions whose prompt is token ids; text and "
+                        "chat prompts are dispatched by load alone",
+                        extra={"prefix_weight": self.config.prefix_weight})
 
     async def shutdown(self) -> None:
         """Stop accepting (503, /health 503), let in-flight requests finish for up to the grace
