@@ -3,6 +3,7 @@ sockets, refusals for bad schemas and handler errors, timeouts that leave the cl
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -111,6 +112,12 @@ async def test_no_engine_means_a_timeout_not_a_hang(addr) -> None:
         await client.send(_stage("r1"))
 
 
+async def _probe_arrived(publisher: MigrationEventPublisher, subscriber: MigrationEventSubscriber) -> bool:
+    publisher.publish(MigrationEvent(kind=MIGRATION_EVENT_KIND_STAGE_SENT, migration_id="probe"))
+    event = await subscriber.receive(0.05)
+    return event is not None
+
+
 async def test_events_arrive_in_order_and_publish_never_blocks(tmp_path) -> None:
     addr = f"ipc://{tmp_path}/engine.sock.events"
     publisher = MigrationEventPublisher(addr)
@@ -118,7 +125,10 @@ async def test_events_arrive_in_order_and_publish_never_blocks(tmp_path) -> None
     publisher.publish(MigrationEvent(kind=MIGRATION_EVENT_KIND_STAGE_SENT, migration_id="early"))
     subscriber = MigrationEventSubscriber(addr)
     try:
-        await asyncio.sleep(0.2)
+        # Until the subscription is in place (ZMQ drops what is published before): probes until one arrives.
+        deadline = time.monotonic() + 10.0
+        while not await _probe_arrived(publisher, subscriber):
+            assert time.monotonic() < deadline, "the subscriber never received an event"
         threads = [
             threading.Thread(
                 target=lambda base=base: [
@@ -137,7 +147,7 @@ async def test_events_arrive_in_order_and_publish_never_blocks(tmp_path) -> None
 
         async def collect() -> None:
             async for event in subscriber.events():
-                if event.migration_id == "early":
+                if event.migration_id in ("early", "probe"):
                     continue
                 stages.setdefault(event.migration_id, []).append(event.stage)
                 if sum(map(len, stages.values())) == 150:

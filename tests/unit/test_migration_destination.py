@@ -12,6 +12,7 @@ from dataclasses import replace
 import aiohttp
 import pytest_asyncio
 from aiohttp import web
+from waiting import wait_until
 
 from llumlet.admission import Admission
 from llumlet.engine_client import EngineClient, EngineUnavailableError
@@ -21,6 +22,7 @@ from llumlet.migration.destination import Destination
 from llumlet.migration.engine_link import EngineCommandRefused
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestTable
+from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
@@ -28,7 +30,7 @@ from llumnix.v1.kv_transfer_pb2 import KVChannel
 
 HANDSHAKE = {"model": "m", "kv_dtype": "float32", "block_size": 16, "kv_layout": {"bytes_per_block": 64},
              "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_address": "tcp://127.0.0.1:9",
-             "kv_channels": ["tcp", "gloo"]}
+             "kv_channels": ["tcp", "gloo"], "kv_secret": new_kv_secret()}
 
 
 class FakeLink:
@@ -96,6 +98,9 @@ async def test_accepting_reserves_blocks_in_the_load_until_aborted(destination: 
     node, link = destination
     answer = await node.propose(_proposal("m1", 10))
     assert answer.accepted and answer.kv_address == "tcp://127.0.0.1:9" and answer.transport == "tcp"
+    # The key its engine's receiver requires of this migration's frames, and of no other's.
+    assert answer.kv_key == migration_key(str(HANDSHAKE["kv_secret"]), "m1") != migration_key(
+        str(HANDSHAKE["kv_secret"]), "m2")
     assert _load(node) == (11, 1)  # one block of growth while it keeps decoding
     released = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="test"))
     assert released.released and _load(node) == (0, 0)
@@ -228,21 +233,15 @@ async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_st
     assert (await node.propose(proposal)).accepted
     commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
         migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
-    for _ in range(100):
-        if node.admission.running("req-m1"):
-            break
-        await asyncio.sleep(0.01)
-    assert node.admission.running("req-m1") and not commit.done()
+    await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+    assert not commit.done()
     commit.cancel()  # the source's Commit deadline passed
     await asyncio.gather(commit, return_exceptions=True)
     answer = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="commit timed out"))
     assert answer.released and _load(node) == (0, 0)
     await link.wait_dropped(["m1"])
-    for _ in range(200):
-        if not node.admission.running("req-m1"):
-            break
-        await asyncio.sleep(0.01)
-    assert not node.admission.running("req-m1") and node.attach("req-m1") is None
+    await wait_until(lambda: not node.admission.running("req-m1"), "the resumed request stopped")
+    assert node.attach("req-m1") is None
 
 
 async def _slow_engine(first_token_after_s: float) -> web.AppRunner:
@@ -282,8 +281,9 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
             migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63))
         assert answer.ok, answer.reason
         assert node.admission.running("req-m1")  # not aborted as unattached while it had no token
-        await asyncio.sleep(0.6)  # the caller never attaches: its lease runs out after the answer
-        assert not node.admission.running("req-m1") and node.attach("req-m1") is None
+        # The caller never attaches: its lease runs out after the answer.
+        await wait_until(lambda: not node.admission.running("req-m1"), "the unattached request aborted")
+        assert node.attach("req-m1") is None
     finally:
         expiry.cancel()
         await asyncio.gather(expiry, return_exceptions=True)
