@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 from control_fakes import TOTAL_BLOCKS, Harness, request, settings
+from waiting import wait_until
 
 from llumnix.control.backend import InstancePhase
 from llumnix.control.drains import EMPTY_BEFORE_RELEASE_S
@@ -171,11 +172,9 @@ async def test_migration_pairs_an_overloaded_source_with_the_freest_one_in_fligh
     assert (source, sent.destination_instance_id, sent.destination_address) == ("i0", "i1", "addr-i1")
     assert sent.select == mpb.MIGRATION_SELECT_LAST_COME and sent.request_id == ""
     h.llumlets["i0"].hold.set()
-    await asyncio.sleep(0.01)
-    assert h.loop.status().migrations == {"committed": 1}
+    await wait_until(lambda: h.loop.status().migrations == {"committed": 1}, "the held migration committed")
     h.loop.migrate_pass()
-    await asyncio.sleep(0.01)
-    assert len(h.migrations) == 2
+    await wait_until(lambda: len(h.migrations) == 2, "a second migration once the first ended")
 
 
 async def test_a_draining_instance_is_a_migration_source() -> None:
@@ -184,7 +183,7 @@ async def test_a_draining_instance_is_a_migration_source() -> None:
     h.load("i0", request("a", 5))
     await h.loop.drain("i0")
     h.loop.migrate_pass()
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: h.migrations, "a migration out of the draining instance")
     assert [(s, r.destination_instance_id) for s, r in h.migrations] == [("i0", "i1")]
 
 
@@ -195,9 +194,10 @@ async def test_migration_errors_are_counted_and_the_loop_goes_on() -> None:
     error = grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                  "not here")
     h.llumlets["i0"].migrate_result = error
-    for _ in range(2):
+    for attempt in range(1, 3):
         h.loop.migrate_pass()
-        await asyncio.sleep(0.01)
+        await wait_until(lambda attempt=attempt: h.loop.status().migrations.get("unsupported") == attempt,
+                         f"failed migration {attempt} counted")
     assert h.loop.status().migrations == {"unsupported": 2}
 
 
