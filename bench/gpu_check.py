@@ -89,9 +89,6 @@ class Plan:
     """Tokens a request generates on the source before it is moved."""
     compared: int
     """Tokens of a migrated request compared with the unmigrated run (before and after the move)."""
-    headroom: int
-    """More tokens a migrated request may generate: it is still decoding when its migration ends, however
-    long the copy takes; it is aborted once its compared tokens have arrived."""
     router_concurrency: int
     router_requests: int
     router_prompt: int
@@ -113,7 +110,6 @@ GPU_PLAN = Plan(
     lengths=(256, 1024, 2048, 4096, 8192),
     decode_before=16,
     compared=64,
-    headroom=1024,
     router_concurrency=32,
     router_requests=128,
     router_prompt=256,
@@ -128,12 +124,11 @@ GPU_PLAN = Plan(
 )
 CPU_PLAN = Plan(
     device="cpu",
-    recipe=dataclasses.replace(PRESETS["test"], max_position_embeddings=2048),
-    max_model_len=1024,
+    recipe=dataclasses.replace(PRESETS["test"], max_position_embeddings=4096),
+    max_model_len=4096,
     lengths=(128, 512),
     decode_before=8,
     compared=24,
-    headroom=256,
     router_concurrency=4,
     router_requests=12,
     router_prompt=32,
@@ -341,7 +336,9 @@ async def migrated_tokens(
     `destination` and returns the move's outcome and the first `plan.compared` tokens."""
     tokens: list[int] = []
     result: mpb.MigrateOutResponse | None = None
-    call = generate(source, request_id, completion(prompt, plan.compared + plan.headroom))
+    # As many tokens as the context allows: still decoding when the move ends, however long the copy takes
+    # on a slow machine; aborted once the compared tokens have arrived.
+    call = generate(source, request_id, completion(prompt, plan.max_model_len - len(prompt) - 1))
     async for message in call:
         if message.HasField("moved"):
             break
@@ -800,8 +797,9 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for r in report["migrations"]:
         equal = "yes" if r["equal"] else f"no (first difference at {r['first_difference']})"
+        outcome = f"{r['outcome']} ({r['reason']})" if r["reason"] else r["outcome"]
         lines.append(
-            f"| {r['transport']} | {r['tokens']} | {r['outcome']} | {r['downtime_ms']} | "
+            f"| {r['transport']} | {r['tokens']} | {outcome} | {r['downtime_ms']} | "
             f"{r['duration_ms']} | {r['stages']} | {r['bytes'] / 2**20:.1f} | {r['recompute_ms']} | "
             f"{equal}, {r['compared_tokens']} compared, {r['distinct_tokens']} distinct |"
         )

@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None,
         reason="vllm is not importable (install the cpu extra: bash scripts/setup.sh)",
