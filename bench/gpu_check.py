@@ -8,9 +8,10 @@ nothing. Phases, each with its own time budget inside the overall one (a phase t
 as such and the run goes on; nothing waits without a bound):
 
 1. model: a random-weight LLaMA of LLaMA-7B's shape (32 layers, hidden 4096, 32 heads, MLP 11008,
-   fp16; the byte-level test tokenizer, so the vocabulary is ~500 rather than 32,000: the embedding and
-   head are 0.5 GB of 13.5) written as safetensors straight from tensors generated on the GPU, without
-   building a model object; reused from --model-cache when already there. `--cpu`: the test shape.
+   fp16; the byte-level test tokenizer, so the vocabulary is 447 rather than 32,000: LLaMA-7B's
+   embedding and head are 0.5 GB of its 13.5) written as safetensors straight from tensors generated
+   on the GPU, without building a model object; reused from --model-cache when already there. `--cpu`:
+   the test shape.
 2. engines: two vLLM engines sharing the GPU (--gpu-memory-utilization 0.4 each, started one after the
    other: vLLM sizes its KV cache from the device's free memory), each with its llumlet.
 3. migration: per KV channel one GPU allows (tcp, gloo: both through host memory; NCCL needs two GPUs,
