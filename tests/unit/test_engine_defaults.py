@@ -17,7 +17,7 @@ from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_command, engine_pod
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy/examples"
-PLACEMENT_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config")
+PLACEMENT_FLAGS = ("--model", "--host", "--port", "--kv-transfer-config", "--kv-events-config")
 """Where one engine runs and which socket it publishes on: the pod's and the local process's differ."""
 
 
