@@ -46,7 +46,7 @@ from llumnix.engine.engine_channel import (
     control_address,
     events_address,
 )
-from llumnix.engine.handshake import incompatibilities, read_handshake
+from llumnix.engine.handshake import KV_SECRET_FIELD, incompatibilities, migration_key, read_handshake
 from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
 from llumnix.launch.pair import free_port
 from llumnix.v1.kv_transfer_pb2 import (
@@ -77,10 +77,14 @@ def negotiate(transport: str, source: dict[str, Any], destination: dict[str, Any
     return channel
 
 
-def export_fields(name: str, kv_address: str, transport: str, channel: KVChannel | None) -> dict[str, Any]:
-    """ExportStage/ExportFinal fields of migration `name` (a pair channel carries its rendezvous)."""
-    fields: dict[str, Any] = {"migration_id": name, "request_id": name, "kv_address": kv_address,
-                              "transport": transport}
+def export_fields(name: str, destination: dict[str, Any], transport: str, channel: KVChannel | None
+                  ) -> dict[str, Any]:
+    """ExportStage/ExportFinal fields of migration `name` to the engine whose handshake record is
+    `destination`: its KV receiver and the migration's key (as its llumlet would hand it out in
+    Propose); a pair channel carries its rendezvous."""
+    fields: dict[str, Any] = {"migration_id": name, "request_id": name,
+                              "kv_address": str(destination["kv_address"]), "transport": transport,
+                              "kv_key": migration_key(str(destination[KV_SECRET_FIELD]), name)}
     if channel is not None:
         fields["channel"] = channel
     return fields
@@ -176,7 +180,7 @@ async def migrate_one(a: Side, b: Side, session: aiohttp.ClientSession, index: i
     base = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
     channel = await open_channel(b, transport, name)
-    destination = export_fields(name, str(b.handshake["kv_address"]), transport, channel)
+    destination = export_fields(name, b.handshake, transport, channel)
     marks = stage_marks(args.final_at, args.stages)
     generated: list[int] = []
     response = await stream(session, a.process.url, {**base, "kv_transfer_params": {"llumlet_id": name}})

@@ -64,7 +64,9 @@ def engine_command(spec: ServiceSpec) -> tuple[list[str], dict[str, str]]:
             "-m",
             "llumnix.sim_engine",
             "--host",
-            POD_IP_REF,  # its KV receiver binds here too: peer engines send migrations to it
+            "127.0.0.1",  # only the llumlet beside it talks to its HTTP API
+            "--kv-host",
+            POD_IP_REF,  # peer engines send migrations to its KV receiver
             "--port",
             str(ENGINE_PORT),
             "--model",
@@ -155,7 +157,8 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
         # The token: for the drain hook, which runs in this container too.
         "env": [POD_IP_VAR, *({"name": k, "value": v} for k, v in sorted(env.items())), *WRITABLE_ENV,
                 token_env(name)],
-        "ports": [{"name": "engine-http", "containerPort": ENGINE_PORT}],
+        # No port: the engine's HTTP API listens on localhost (the llumlet fronts it); its KV receiver's
+        # port is chosen at start and published to the llumlet in the handshake record.
         "resources": _resources(engine.resources),
         "volumeMounts": [*mounts, *WRITABLE_MOUNTS],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
@@ -172,7 +175,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
             "--host",
             "0.0.0.0",  # the pod's own addresses (probes and peers use the pod IP)
             "--engine-url",
-            f"http://{POD_IP_REF if engine.runtime == 'sim' else '127.0.0.1'}:{ENGINE_PORT}",
+            f"http://127.0.0.1:{ENGINE_PORT}",  # the engine listens on localhost only
             "--snapshot-addr",
             SNAPSHOT_ADDR,
             "--http-port",

@@ -21,7 +21,7 @@ from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
 from llumlet.migration.rules import choose_channel, engine_channels, resume_point
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
-from llumnix.engine.handshake import incompatibilities
+from llumnix.engine.handshake import KV_SECRET_FIELD, incompatibilities, migration_key
 from llumnix.load import RequestLoad
 from llumnix.openai_replay import NotReplayable
 from llumnix.policies.migration import admits
@@ -96,7 +96,7 @@ class Destination:
         if len(self.reservations) + self.outgoing() >= self.settings.max_concurrent:
             return "", f"this instance already takes part in {self.settings.max_concurrent} migration(s)"
         mine = self.handshake()
-        if mine is None or not mine.get("kv_address"):
+        if mine is None or not mine.get("kv_address") or not mine.get(KV_SECRET_FIELD):
             return "", "this engine has not published its handshake record (KV receiver) yet"
         try:
             peer = json.loads(request.handshake_json)
@@ -147,7 +147,10 @@ class Destination:
                 if self.reservations.pop(request.migration_id, None) is not None:
                     self._publish_reservations()
                 return self._refuse(request, f"this engine could not open a {transport} channel: {exc}")
-        answer.kv_address = str((self.handshake() or {})["kv_address"])
+        mine = self.handshake() or {}
+        answer.kv_address = str(mine["kv_address"])
+        # The receiver takes this migration's frames only with its key; it goes to the source alone.
+        answer.kv_key = migration_key(str(mine[KV_SECRET_FIELD]), request.migration_id)
         logger.info("migration accepted", extra={"migration_id": request.migration_id,
                                                  "request_id": request.request_id, "blocks": blocks,
                                                  "source": request.source_instance_id,

@@ -64,10 +64,11 @@ class EngineLink:
             raise EngineCommandRefused(reply.error or "refused")
 
     async def export_stage(self, migration_id: str, request_id: str, kv_address: str, transport: str,
-                           channel: KVChannel, final: bool) -> None:
-        """`channel`: the pair channel the destination opened (empty for tcp)."""
+                           channel: KVChannel, kv_key: bytes, final: bool) -> None:
+        """`channel`: the pair channel the destination opened (empty for tcp); `kv_key`: the key the
+        destination's receiver requires of this migration's frames."""
         fields = {"migration_id": migration_id, "request_id": request_id, "kv_address": kv_address,
-                  "transport": transport, "channel": channel}
+                  "transport": transport, "channel": channel, "kv_key": kv_key}
         if final:
             await self.command(EngineCommand(export_final=ExportFinal(**fields)))
         else:

@@ -31,6 +31,7 @@ from llumlet.migration.rules import (
 )
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
+from llumnix.engine.handshake import public_record
 from llumnix.load import blocks_for_tokens
 from llumnix.policies.migration import select_request
 from llumnix.service_token import ServiceToken, call_metadata
@@ -251,7 +252,8 @@ class Source:
             endpoint=endpoint_to_proto(record.endpoint), body_json=json.dumps(record.body),
             priority=llumlet_pb2.PRIORITY_HIGH if record.high_priority else llumlet_pb2.PRIORITY_NORMAL,
             prompt_tokens=len(record.prompt_token_ids), output_tokens=record.output_tokens,
-            blocks=blocks_for_tokens(tokens, self._block_size()), handshake_json=json.dumps(handshake),
+            blocks=blocks_for_tokens(tokens, self._block_size()),
+            handshake_json=json.dumps(public_record(handshake)),  # its KV secret stays here
             lease_ms=int(self.settings.lease_s * 1000), transport=self.settings.transport)
         try:
             answer = await progress.destination.Propose(proposal, timeout=self.settings.peer_timeout_s,
@@ -313,7 +315,7 @@ class Source:
         self._check_running(progress)
         try:
             await self.link.export_stage(progress.migration_id, progress.record.request_id, answer.kv_address,
-                                         answer.transport, answer.channel, final)
+                                         answer.transport, answer.channel, answer.kv_key, final)
         except EngineCommandRefused as exc:
             await self._fail(progress, f"the engine refused the export: {exc}")
 

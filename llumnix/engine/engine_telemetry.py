@@ -128,6 +128,7 @@ def write_engine_handshake(
     snapshot_addr: str | None,
     kv_address: str | None,
     kv_channels: list[str] | None,
+    kv_secret: str | None,
 ) -> None:
     """Write the handshake record to `path_setting`, else $LLUMNIX_HANDSHAKE_PATH, else next to an
     ipc snapshot socket; nowhere when none of them applies."""
@@ -147,6 +148,7 @@ def write_engine_handshake(
         pipeline_parallel_size=vllm_config.parallel_config.pipeline_parallel_size,
         kv_address=kv_address,
         kv_channels=kv_channels,
+        kv_secret=kv_secret,
     )
     write_handshake(path, record)
     logger.info("llumnix connector: handshake record in %s", path)

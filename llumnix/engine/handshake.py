@@ -7,8 +7,11 @@ llumlet reads it and sends it in the migration handshake, where `incompatibiliti
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +21,7 @@ if TYPE_CHECKING:  # kv_blocks imports torch; llumlets and sim engines read reco
 HANDSHAKE_SCHEMA_VERSION = 1
 HANDSHAKE_PATH_ENV = "LLUMNIX_HANDSHAKE_PATH"
 """Where the connector writes the record; default: next to an `ipc://` snapshot socket."""
+KV_SECRET_FIELD = "kv_secret"
 
 # Fields that must be equal on both ends of a migration.
 COMPATIBILITY_FIELDS = (
@@ -48,10 +52,12 @@ def handshake_record(
     pipeline_parallel_size: int,
     kv_address: str | None = None,
     kv_channels: list[str] | None = None,
+    kv_secret: str | None = None,
 ) -> dict[str, object]:
     """`kv_address`: where peers send migration stages to this engine; `kv_channels`: the KV channels
-    it receives and sends on ("tcp", "gloo", "nccl"; negotiated per migration). Not compared: every
-    engine has its own."""
+    it receives and sends on ("tcp", "gloo", "nccl"; negotiated per migration); `kv_secret`: what its
+    KV receiver derives migration keys from (`migration_key`; never sent, see `public_record`). Not
+    compared: every engine has its own."""
     # Per-layer shapes differ between tensor-parallel ranks only by the head split, which the
     # parallel sizes already pin down, so rank 0's layout stands for the engine.
     kv_layout = layout.to_record()
@@ -70,14 +76,35 @@ def handshake_record(
         "pid": os.getpid(),
         "kv_address": kv_address,
         "kv_channels": kv_channels,
+        KV_SECRET_FIELD: kv_secret,
     }
+
+
+def new_kv_secret() -> str:
+    """A KV receiver's secret, fresh per engine start (hex)."""
+    return secrets.token_hex(32)
+
+
+def migration_key(kv_secret: str, migration_id: str) -> bytes:
+    """The key a migration's KV frames carry: only the destination's llumlet, which reads the engine's
+    secret from the handshake record in their pod, can make it, and it hands it out only in its answer
+    to an authenticated Propose. The receiver recomputes it per frame (no state to leak or expire)."""
+    return hmac.new(bytes.fromhex(kv_secret), migration_id.encode(), hashlib.sha256).digest()
+
+
+def public_record(record: dict[str, object]) -> dict[str, object]:
+    """The record as a peer may see it (the Propose handshake): without the KV secret."""
+    return {key: value for key, value in record.items() if key != KV_SECRET_FIELD}
 
 
 def write_handshake(path: Path, record: dict[str, object]) -> None:
     """Atomic: a reader sees the previous file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    # Owner-only: it holds the KV secret (the llumlet beside the engine runs as the same user).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(json.dumps(record, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 

@@ -168,6 +168,7 @@ class LlumnixConnector(KVConnectorBase_V1):
             self._vllm_config, self._engine_id, layout,
             path_setting=extra("handshake_path", None), snapshot_addr=self._snapshot_addr,
             kv_address=worker.kv_address, kv_channels=worker.kv_channels,
+            kv_secret=worker.kv_secret,
         )
 
     def _worker_meta(self) -> LlumnixConnectorMetadata | None:

@@ -73,6 +73,11 @@ class ConnectorWorker:
         return self._staging.address if self._staging else None
 
     @property
+    def kv_secret(self) -> str | None:
+        """What the KV receiver derives migration keys from; None without migration."""
+        return self._staging.kv_secret if self._staging else None
+
+    @property
     def kv_channels(self) -> list[str] | None:
         """The KV channels this engine receives and sends on; None without migration."""
         return self._staging.channels if self._staging else None

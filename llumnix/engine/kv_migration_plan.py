@@ -48,6 +48,8 @@ class ExportItem:
     block_ids: tuple[int, ...]
     num_tokens: int  # KV valid after this step, cumulative
     destination: Destination
+    kv_key: bytes
+    """The migration's key, which the destination's receiver requires on every frame."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,7 @@ class LoadItem:
 class _Export:
     request_id: str
     destination: Destination
+    kv_key: bytes
     exported_tokens: int = 0  # block-aligned: tokens whose blocks were sent full
     stages: int = 0
     final: bool = False
@@ -164,6 +167,7 @@ class MigrationPlan:
             block_ids=tuple(block_ids[first:last]),
             num_tokens=num_tokens,
             destination=export.destination,
+            kv_key=export.kv_key,
         )
 
     # -------------------------------------------------------------- commands (command server thread)
@@ -180,7 +184,7 @@ class MigrationPlan:
                 if body.request_id not in self._live:
                     return EngineCommandReply(ok=False, error=f"unknown request {body.request_id!r}")
                 export = self._exports.setdefault(
-                    body.migration_id, _Export(body.request_id, _destination(body))
+                    body.migration_id, _Export(body.request_id, _destination(body), body.kv_key)
                 )
                 if export.request_id != body.request_id:
                     return EngineCommandReply(

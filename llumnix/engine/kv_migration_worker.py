@@ -128,7 +128,7 @@ class StageSender:
             schema_version=KV_FRAME_SCHEMA_VERSION, migration_id=item.migration_id, stage=item.stage,
             final=item.final, first_block=item.first_block, num_blocks=len(item.block_ids),
             num_tokens=item.num_tokens, payload_bytes=len(item.block_ids) * self._bytes_per_block,
-            bytes_per_block=self._bytes_per_block, dtype=self._dtype,
+            bytes_per_block=self._bytes_per_block, dtype=self._dtype, kv_key=item.kv_key,
         )
 
     def close(self) -> None:
@@ -158,6 +158,11 @@ class StagingService:
     @property
     def address(self) -> str:
         return self.receiver.address
+
+    @property
+    def kv_secret(self) -> str:
+        """What the receiver derives migration keys from (for the handshake record)."""
+        return self.receiver.kv_secret
 
     def start(self) -> None:
         self.receiver.start()

@@ -45,9 +45,11 @@ class KVSender(abc.ABC):
 
 
 class KVReceiver(abc.ABC):
-    """Destination side: accepts stages into a `StagingStore`; `address` is what peers send to."""
+    """Destination side: accepts stages into a `StagingStore`; `address` is what peers send to, and
+    only frames carrying their migration's key (derived from `kv_secret`) get in."""
 
     address: str
+    kv_secret: str
 
     @abc.abstractmethod
     def start(self) -> None: ...

@@ -42,6 +42,9 @@ def make_sender(transport: str, address: str, timeout_s: float = 10.0,
 
 
 def make_receiver(*, host: str, port: int = 0, staging: StagingStore, on_stage: StageCallback | None = None,
-                  device: Any = None, timeout_s: float = 10.0) -> KVStageReceiver:
-    """The engine's receiver for every channel (tcp frames, pair channels), not yet started."""
-    return KVStageReceiver(host, port, staging=staging, on_stage=on_stage, device=device, timeout_s=timeout_s)
+                  device: Any = None, timeout_s: float = 10.0, kv_secret: str | None = None
+                  ) -> KVStageReceiver:
+    """The engine's receiver for every channel (tcp frames, pair channels), not yet started; it admits
+    only frames with their migration's key (`kv_secret` None: a fresh secret)."""
+    return KVStageReceiver(host, port, staging=staging, on_stage=on_stage, device=device, timeout_s=timeout_s,
+                           kv_secret=kv_secret)

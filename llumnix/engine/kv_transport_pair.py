@@ -5,8 +5,9 @@ answer; the source engine receives it in its export commands. The destination's 
 the source engine's sender rank 1.
 
 Control goes over TCP, in the frames of llumnix/engine/kv_transport.py, to the destination's `kv_address`:
-1. the sender's first header carries the `KVChannel` (no payload); the receiver acks it and both join
-   the pair (`join_pair`: gloo through the destination's TCP store, nccl with its unique id);
+1. the sender's first header carries the `KVChannel` and the migration's key (no payload); the
+   receiver checks the key, acks it and both join the pair (`join_pair`: gloo through the
+   destination's TCP store, nccl with its unique id);
 2. per stage: the header goes over TCP; the receiver checks the layout and answers a go-ahead ack (or a
    refusal: then nothing is sent on the pair, which stays in step); the payload goes over the pair into
    a buffer on the receiver's device, which lands in the `StagingStore`; a final ack closes the stage.
@@ -126,13 +127,15 @@ class PairKVSender(KVSender):
         self._broken = ""
         self._lock = threading.Lock()
 
-    def _join(self, device: Any) -> tuple[socket.socket, PairCommunicator]:
+    def _join(self, device: Any, first: KVStageHeader) -> tuple[socket.socket, PairCommunicator]:
+        """`first`: the first stage's header, whose migration and key the hello carries."""
         try:
             sock = socket.create_connection(self._endpoint, timeout=self.timeout_s)
         except OSError as exc:
             raise KVTransportError(f"cannot connect to KV receiver {self.address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = KVStageHeader(schema_version=KV_FRAME_SCHEMA_VERSION, channel=self.channel)
+        hello = KVStageHeader(schema_version=KV_FRAME_SCHEMA_VERSION, channel=self.channel,
+                              migration_id=first.migration_id, kv_key=first.kv_key)
         try:
             sock.sendall(encode_message(hello))
             ack = read_ack(sock)
@@ -165,7 +168,7 @@ class PairKVSender(KVSender):
                                        f"{self._broken}")
             if self._sock is None or self._pair is None:
                 try:
-                    self._sock, self._pair = self._join(flat.device)
+                    self._sock, self._pair = self._join(flat.device, header)
                 except KVTransportError as exc:
                     self._broken = str(exc)
                     raise
@@ -198,14 +201,17 @@ class KVStageReceiver(TcpKVReceiver):
 
     def __init__(self, host: str, port: int = 0, *, staging: StagingStore,
                  on_stage: StageCallback | None = None, device: Any = None,
-                 timeout_s: float = 10.0) -> None:
-        super().__init__(host, port, staging=staging, on_stage=on_stage)
+                 timeout_s: float = 10.0, kv_secret: str | None = None) -> None:
+        super().__init__(host, port, staging=staging, on_stage=on_stage, kv_secret=kv_secret)
         self.device = device
         self.timeout_s = timeout_s
 
     def _serve_connection(self, conn: socket.socket, header: KVStageHeader) -> None:
         if not header.HasField("channel"):
             super()._serve_connection(conn, header)
+            return
+        if not self.admits(header):  # before joining: an unnegotiated peer gets no pair
+            self.refuse(conn, header)
             return
         try:
             if header.channel.backend == "nccl":
@@ -235,6 +241,9 @@ class KVStageReceiver(TcpKVReceiver):
     def _serve_pair(self, conn: socket.socket, pair: PairCommunicator) -> None:
         while not self._stop.is_set():
             header = KVStageHeader.FromString(recv_message(conn))
+            if not self.admits(header):
+                self.refuse(conn, header)
+                return
             try:
                 self.staging.check_layout(header)
             except ValueError as exc:

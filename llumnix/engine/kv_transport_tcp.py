@@ -1,15 +1,23 @@
 """The TCP KV transport: whole frames (header, then payload) over one connection per source ->
 destination engine pair, each acknowledged. `TcpKVReceiver` is also the accept loop of the pair
-channels' receiver (llumnix/engine/kv_transport_pair.py), which serves their connections itself."""
+channels' receiver (llumnix/engine/kv_transport_pair.py), which serves their connections itself.
+
+Only a negotiated migration gets in: every header must carry its migration's key (`migration_key` of
+the receiver's own secret, which the destination's llumlet hands out in its answer to an authenticated
+Propose). A frame without it is refused and its connection closed before the payload is read, so
+nothing reaches staging."""
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import logging
 import socket
 import struct
 import threading
 from typing import Any
 
+from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
     KVReceiver,
@@ -24,6 +32,8 @@ from llumnix.engine.kv_transport import (
     write_frame,
 )
 from llumnix.v1.kv_transfer_pb2 import KVStageAck, KVStageHeader
+
+log = logging.getLogger("vllm.llumnix")
 
 # A refused frame's payload up to this size is read and discarded, keeping the connection.
 _MAX_SKIP = 1 << 30
@@ -112,12 +122,16 @@ class TcpKVReceiver(KVReceiver):
         *,
         staging: StagingStore,
         on_stage: StageCallback | None = None,
+        kv_secret: str | None = None,
     ) -> None:
+        """`kv_secret`: what migration keys derive from (None: a fresh one, what an engine wants)."""
         self.staging = staging
         self._on_stage = on_stage
         self._listener = socket.create_server((host, port), reuse_port=False)
         bound_host, bound_port = self._listener.getsockname()[:2]
         self.address = f"tcp://{bound_host}:{bound_port}"
+        self.kv_secret = kv_secret or new_kv_secret()
+        """Published in the engine's handshake record, which stays in its pod."""
         self._stop = threading.Event()
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -148,6 +162,16 @@ class TcpKVReceiver(KVReceiver):
             with contextlib.suppress(OSError):
                 conn.close()
 
+    def admits(self, header: KVStageHeader) -> bool:
+        """Whether the frame carries its migration's key (compared in constant time)."""
+        return hmac.compare_digest(header.kv_key, migration_key(self.kv_secret, header.migration_id))
+
+    def refuse(self, conn: socket.socket, header: KVStageHeader) -> None:
+        """Answers a frame without its migration's key; the caller closes the connection."""
+        log.warning("llumnix KV receiver: refused a frame for migration %r without its key from %s",
+                    header.migration_id, conn.getpeername()[0])
+        conn.sendall(encode_message(self._ack(header, "not a negotiated migration: wrong or missing kv_key")))
+
     def _serve_connection(self, conn: socket.socket, header: KVStageHeader) -> None:
         """Serves a connection from its first header on; here every frame carries its payload."""
         if header.HasField("channel"):
@@ -159,6 +183,9 @@ class TcpKVReceiver(KVReceiver):
 
     def _stage_frame(self, conn: socket.socket, header: KVStageHeader) -> bool:
         """Reads the payload after `header`, stages and acknowledges it; False: the connection ends."""
+        if not self.admits(header):
+            self.refuse(conn, header)
+            return False
         try:
             self.staging.check_layout(header)
         except ValueError as exc:

@@ -19,6 +19,8 @@ from llumnix.sim_engine.server import SimEngineConfig, SimEngineServer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    parser.add_argument("--kv-host", help="address the KV receiver of live migration listens on, where peer "
+                        "engines reach it (default: --host)")
     parser.add_argument(
         "--model",
         default="sim",
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         profile=args.profile,
         host=args.host,
         port=args.port,
+        kv_host=args.kv_host,
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

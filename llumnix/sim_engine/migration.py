@@ -19,7 +19,12 @@ from llumnix.engine.engine_channel import (
     control_address,
     events_address,
 )
-from llumnix.engine.handshake import HANDSHAKE_SCHEMA_VERSION, default_handshake_path, write_handshake
+from llumnix.engine.handshake import (
+    HANDSHAKE_SCHEMA_VERSION,
+    KV_SECRET_FIELD,
+    default_handshake_path,
+    write_handshake,
+)
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVSender, KVTransportError
 from llumnix.engine.kv_transport_factory import make_receiver, make_sender
@@ -51,6 +56,8 @@ class _Export:
     request_id: str
     kv_address: str
     transport: str
+    kv_key: bytes
+    """The destination's key for this migration, on every frame."""
     stage_pending: bool = False
     final: bool = False
     stages: int = 0
@@ -103,6 +110,7 @@ class SimMigrationAgent:
             "pid": os.getpid(),
             "kv_address": self.receiver.address,
             "kv_channels": ["tcp"],
+            KV_SECRET_FIELD: self.receiver.kv_secret,
         }
 
     def close(self) -> None:
@@ -126,7 +134,7 @@ class SimMigrationAgent:
             if self._generation(spec.request_id) is None:
                 return EngineCommandReply(ok=False, error=f"no running request {spec.request_id!r}")
             export = self._exports.setdefault(spec.migration_id, _Export(
-                spec.migration_id, spec.request_id, spec.kv_address, spec.transport))
+                spec.migration_id, spec.request_id, spec.kv_address, spec.transport, spec.kv_key))
             if kind == "export_final":
                 export.final = True
             else:
@@ -189,7 +197,7 @@ class SimMigrationAgent:
             schema_version=KV_FRAME_SCHEMA_VERSION, migration_id=export.migration_id, stage=export.stages + 1,
             final=final, first_block=first, num_blocks=count, num_tokens=tokens,
             payload_bytes=count * self.bytes_per_block, bytes_per_block=self.bytes_per_block,
-            dtype=SIM_KV_DTYPE)
+            dtype=SIM_KV_DTYPE, kv_key=export.kv_key)
         started = time.monotonic()
         try:
             sender = self._sender(export)

@@ -41,6 +41,9 @@ class SimEngineConfig:
     profile: str = "llama-7b-a10"
     host: str = "127.0.0.1"
     port: int = 8000
+    kv_host: str | None = None
+    """Where the KV receiver listens, reachable by peer engines (None: `host`). In a pod: the pod IP,
+    while the HTTP API stays on localhost behind the llumlet."""
     num_blocks: int | None = None
     """Default: the profile's KV capacity."""
     block_size: int | None = None
@@ -131,7 +134,8 @@ class SimEngineServer:
         self.metrics = EngineMetrics(self.engine, config.model)
         # Migration needs the command and event sockets next to an ipc:// snapshot socket.
         if config.snapshot_addr and config.snapshot_addr.startswith("ipc://"):
-            self.engine.migration = SimMigrationAgent(self.engine, config.snapshot_addr, config.host,
+            self.engine.migration = SimMigrationAgent(self.engine, config.snapshot_addr,
+                                                      config.kv_host or config.host,
                                                       config.model, config.kv_bytes_per_block)
         self.started = int(time.time())
         self._engine_task: asyncio.Task[None] | None = None

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllumnix/v1/kv_transfer.proto\x12\nllumnix.v1\"\xa3\x01\n\x0b\x45xportStage\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12&\n\x07\x63hannel\x18\x06 \x01(\x0b\x32\x15.llumnix.v1.KVChannelJ\x04\x08\x05\x10\x06R\x15transport_params_json\"\xa3\x01\n\x0b\x45xportFinal\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12&\n\x07\x63hannel\x18\x06 \x01(\x0b\x32\x15.llumnix.v1.KVChannelJ\x04\x08\x05\x10\x06R\x15transport_params_json\"$\n\x0c\x43\x61ncelExport\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"#\n\x0b\x44ropStaging\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"4\n\x0bOpenChannel\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\"_\n\tKVChannel\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nchannel_id\x18\x02 \x01(\t\x12\x16\n\x0enccl_unique_id\x18\x03 \x01(\x0c\x12\x15\n\rstore_address\x18\x04 \x01(\t\"\xa9\x02\n\rEngineCommand\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12/\n\x0c\x65xport_stage\x18\x02 \x01(\x0b\x32\x17.llumnix.v1.ExportStageH\x00\x12/\n\x0c\x65xport_final\x18\x03 \x01(\x0b\x32\x17.llumnix.v1.ExportFinalH\x00\x12\x31\n\rcancel_export\x18\x04 \x01(\x0b\x32\x18.llumnix.v1.CancelExportH\x00\x12/\n\x0c\x64rop_staging\x18\x05 \x01(\x0b\x32\x17.llumnix.v1.DropStagingH\x00\x12/\n\x0copen_channel\x18\x06 \x01(\x0b\x32\x17.llumnix.v1.OpenChannelH\x00\x42\t\n\x07\x63ommand\"W\n\x12\x45ngineCommandReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12&\n\x07\x63hannel\x18\x03 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\"\xfd\x01\n\x0eMigrationEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.llumnix.v1.MigrationEventKind\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\r\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0e\n\x06\x62locks\x18\x07 \x01(\r\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x0f\n\x07\x63opy_ms\x18\t \x01(\x01\x12\x0f\n\x07send_ms\x18\n \x01(\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x11\n\ttimestamp\x18\x0c \x01(\x01\"\xff\x01\n\rKVStageHeader\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\t \x01(\x04\x12\r\n\x05\x64type\x18\n \x01(\t\x12&\n\x07\x63hannel\x18\x0b \x01(\x0b\x32\x15.llumnix.v1.KVChannel\"L\n\nKVStageAck\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t*\xf6\x01\n\x12MigrationEventKind\x12$\n MIGRATION_EVENT_KIND_UNSPECIFIED\x10\x00\x12#\n\x1fMIGRATION_EVENT_KIND_STAGE_SENT\x10\x01\x12%\n!MIGRATION_EVENT_KIND_STAGE_FAILED\x10\x02\x12\'\n#MIGRATION_EVENT_KIND_STAGE_RECEIVED\x10\x03\x12\x1f\n\x1bMIGRATION_EVENT_KIND_LOADED\x10\x04\x12$\n MIGRATION_EVENT_KIND_LOAD_FAILED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cllumnix/v1/kv_transfer.proto\x12\nllumnix.v1\"\xb3\x01\n\x0b\x45xportStage\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12&\n\x07\x63hannel\x18\x06 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\x12\x0e\n\x06kv_key\x18\x07 \x01(\x0cJ\x04\x08\x05\x10\x06R\x15transport_params_json\"\xb3\x01\n\x0b\x45xportFinal\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12&\n\x07\x63hannel\x18\x06 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\x12\x0e\n\x06kv_key\x18\x07 \x01(\x0cJ\x04\x08\x05\x10\x06R\x15transport_params_json\"$\n\x0c\x43\x61ncelExport\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"#\n\x0b\x44ropStaging\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"4\n\x0bOpenChannel\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\"_\n\tKVChannel\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nchannel_id\x18\x02 \x01(\t\x12\x16\n\x0enccl_unique_id\x18\x03 \x01(\x0c\x12\x15\n\rstore_address\x18\x04 \x01(\t\"\xa9\x02\n\rEngineCommand\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12/\n\x0c\x65xport_stage\x18\x02 \x01(\x0b\x32\x17.llumnix.v1.ExportStageH\x00\x12/\n\x0c\x65xport_final\x18\x03 \x01(\x0b\x32\x17.llumnix.v1.ExportFinalH\x00\x12\x31\n\rcancel_export\x18\x04 \x01(\x0b\x32\x18.llumnix.v1.CancelExportH\x00\x12/\n\x0c\x64rop_staging\x18\x05 \x01(\x0b\x32\x17.llumnix.v1.DropStagingH\x00\x12/\n\x0copen_channel\x18\x06 \x01(\x0b\x32\x17.llumnix.v1.OpenChannelH\x00\x42\t\n\x07\x63ommand\"W\n\x12\x45ngineCommandReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12&\n\x07\x63hannel\x18\x03 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\"\xfd\x01\n\x0eMigrationEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.llumnix.v1.MigrationEventKind\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05stage\x18\x04 \x01(\r\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0e\n\x06\x62locks\x18\x07 \x01(\r\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x0f\n\x07\x63opy_ms\x18\t \x01(\x01\x12\x0f\n\x07send_ms\x18\n \x01(\x01\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x11\n\ttimestamp\x18\x0c \x01(\x01\"\x8f\x02\n\rKVStageHeader\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\t \x01(\x04\x12\r\n\x05\x64type\x18\n \x01(\t\x12&\n\x07\x63hannel\x18\x0b \x01(\x0b\x32\x15.llumnix.v1.KVChannel\x12\x0e\n\x06kv_key\x18\x0c \x01(\x0c\"L\n\nKVStageAck\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t*\xf6\x01\n\x12MigrationEventKind\x12$\n MIGRATION_EVENT_KIND_UNSPECIFIED\x10\x00\x12#\n\x1fMIGRATION_EVENT_KIND_STAGE_SENT\x10\x01\x12%\n!MIGRATION_EVENT_KIND_STAGE_FAILED\x10\x02\x12\'\n#MIGRATION_EVENT_KIND_STAGE_RECEIVED\x10\x03\x12\x1f\n\x1bMIGRATION_EVENT_KIND_LOADED\x10\x04\x12$\n MIGRATION_EVENT_KIND_LOAD_FAILED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llumnix.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONEVENTKIND']._serialized_start=1584
-  _globals['_MIGRATIONEVENTKIND']._serialized_end=1830
+  _globals['_MIGRATIONEVENTKIND']._serialized_start=1632
+  _globals['_MIGRATIONEVENTKIND']._serialized_end=1878
   _globals['_EXPORTSTAGE']._serialized_start=45
-  _globals['_EXPORTSTAGE']._serialized_end=208
-  _globals['_EXPORTFINAL']._serialized_start=211
-  _globals['_EXPORTFINAL']._serialized_end=374
-  _globals['_CANCELEXPORT']._serialized_start=376
-  _globals['_CANCELEXPORT']._serialized_end=412
-  _globals['_DROPSTAGING']._serialized_start=414
-  _globals['_DROPSTAGING']._serialized_end=449
-  _globals['_OPENCHANNEL']._serialized_start=451
-  _globals['_OPENCHANNEL']._serialized_end=503
-  _globals['_KVCHANNEL']._serialized_start=505
-  _globals['_KVCHANNEL']._serialized_end=600
-  _globals['_ENGINECOMMAND']._serialized_start=603
-  _globals['_ENGINECOMMAND']._serialized_end=900
-  _globals['_ENGINECOMMANDREPLY']._serialized_start=902
-  _globals['_ENGINECOMMANDREPLY']._serialized_end=989
-  _globals['_MIGRATIONEVENT']._serialized_start=992
-  _globals['_MIGRATIONEVENT']._serialized_end=1245
-  _globals['_KVSTAGEHEADER']._serialized_start=1248
-  _globals['_KVSTAGEHEADER']._serialized_end=1503
-  _globals['_KVSTAGEACK']._serialized_start=1505
-  _globals['_KVSTAGEACK']._serialized_end=1581
+  _globals['_EXPORTSTAGE']._serialized_end=224
+  _globals['_EXPORTFINAL']._serialized_start=227
+  _globals['_EXPORTFINAL']._serialized_end=406
+  _globals['_CANCELEXPORT']._serialized_start=408
+  _globals['_CANCELEXPORT']._serialized_end=444
+  _globals['_DROPSTAGING']._serialized_start=446
+  _globals['_DROPSTAGING']._serialized_end=481
+  _globals['_OPENCHANNEL']._serialized_start=483
+  _globals['_OPENCHANNEL']._serialized_end=535
+  _globals['_KVCHANNEL']._serialized_start=537
+  _globals['_KVCHANNEL']._serialized_end=632
+  _globals['_ENGINECOMMAND']._serialized_start=635
+  _globals['_ENGINECOMMAND']._serialized_end=932
+  _globals['_ENGINECOMMANDREPLY']._serialized_start=934
+  _globals['_ENGINECOMMANDREPLY']._serialized_end=1021
+  _globals['_MIGRATIONEVENT']._serialized_start=1024
+  _globals['_MIGRATIONEVENT']._serialized_end=1277
+  _globals['_KVSTAGEHEADER']._serialized_start=1280
+  _globals['_KVSTAGEHEADER']._serialized_end=1551
+  _globals['_KVSTAGEACK']._serialized_start=1553
+  _globals['_KVSTAGEACK']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

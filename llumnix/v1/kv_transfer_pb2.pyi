@@ -22,32 +22,36 @@ MIGRATION_EVENT_KIND_LOADED: MigrationEventKind
 MIGRATION_EVENT_KIND_LOAD_FAILED: MigrationEventKind
 
 class ExportStage(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel", "kv_key")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    KV_KEY_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
     channel: KVChannel
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
+    kv_key: bytes
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., kv_key: _Optional[bytes] = ...) -> None: ...
 
 class ExportFinal(_message.Message):
-    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel")
+    __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel", "kv_key")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    KV_KEY_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     kv_address: str
     transport: str
     channel: KVChannel
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
+    kv_key: bytes
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., kv_key: _Optional[bytes] = ...) -> None: ...
 
 class CancelExport(_message.Message):
     __slots__ = ("migration_id",)
@@ -136,7 +140,7 @@ class MigrationEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[MigrationEventKind, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., copy_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., error: _Optional[str] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class KVStageHeader(_message.Message):
-    __slots__ = ("schema_version", "migration_id", "stage", "final", "first_block", "num_blocks", "num_tokens", "payload_bytes", "bytes_per_block", "dtype", "channel")
+    __slots__ = ("schema_version", "migration_id", "stage", "final", "first_block", "num_blocks", "num_tokens", "payload_bytes", "bytes_per_block", "dtype", "channel", "kv_key")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +152,7 @@ class KVStageHeader(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    KV_KEY_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     migration_id: str
     stage: int
@@ -159,7 +164,8 @@ class KVStageHeader(_message.Message):
     bytes_per_block: int
     dtype: str
     channel: KVChannel
-    def __init__(self, schema_version: _Optional[int] = ..., migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
+    kv_key: bytes
+    def __init__(self, schema_version: _Optional[int] = ..., migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., kv_key: _Optional[bytes] = ...) -> None: ...
 
 class KVStageAck(_message.Message):
     __slots__ = ("migration_id", "stage", "ok", "error")

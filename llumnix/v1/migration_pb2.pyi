@@ -106,20 +106,22 @@ class ProposeMigrationRequest(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., source_instance_id: _Optional[str] = ..., source_address: _Optional[str] = ..., request_id: _Optional[str] = ..., endpoint: _Optional[_Union[_llumlet_pb2.Endpoint, str]] = ..., body_json: _Optional[str] = ..., priority: _Optional[_Union[_llumlet_pb2.Priority, str]] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., handshake_json: _Optional[str] = ..., lease_ms: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ProposeMigrationResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "kv_address", "transport", "lease_ms", "channel")
+    __slots__ = ("accepted", "reason", "kv_address", "transport", "lease_ms", "channel", "kv_key")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    KV_KEY_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     kv_address: str
     transport: str
     lease_ms: int
     channel: _kv_transfer_pb2.KVChannel
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., lease_ms: _Optional[int] = ..., channel: _Optional[_Union[_kv_transfer_pb2.KVChannel, _Mapping]] = ...) -> None: ...
+    kv_key: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_address: _Optional[str] = ..., transport: _Optional[str] = ..., lease_ms: _Optional[int] = ..., channel: _Optional[_Union[_kv_transfer_pb2.KVChannel, _Mapping]] = ..., kv_key: _Optional[bytes] = ...) -> None: ...
 
 class RenewMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "stages", "staged_tokens")

@@ -218,6 +218,7 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llumnix.engine.handshake import migration_key
     from llumnix.engine.kv_blocks import KVBlockCopier
     from llumnix.engine.kv_staging import StagingStore
     from llumnix.engine.kv_transport_tcp import TcpKVReceiver
@@ -246,7 +247,8 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
                 if not token_ids:
                     # Registered while the request runs; it takes effect when the request finishes.
                     final = ExportFinal(migration_id="export-me", request_id="export-me",
-                                        kv_address=receiver.address)
+                                        kv_address=receiver.address,
+                                        kv_key=migration_key(receiver.kv_secret, "export-me"))
                     reply = await engine.commands.send(EngineCommand(schema_version=1, export_final=final))
                     assert reply.ok, reply.error
                     token_ids += choice.get("prompt_token_ids") or []

@@ -29,7 +29,7 @@ from llumnix.engine.engine_channel import (
     control_address,
     events_address,
 )
-from llumnix.engine.handshake import incompatibilities, read_handshake
+from llumnix.engine.handshake import KV_SECRET_FIELD, incompatibilities, migration_key, read_handshake
 from llumnix.engine.snapshots import SnapshotSubscriber
 from llumnix.launch.engine_process import EngineLaunchConfig, EngineProcess
 from llumnix.launch.pair import free_port
@@ -78,6 +78,10 @@ class Engine:
     @property
     def kv_address(self) -> str:
         return str(self.handshake["kv_address"])
+
+    def kv_key(self, migration_id: str) -> bytes:
+        """What its receiver requires of a migration's frames (its llumlet hands it out in Propose)."""
+        return migration_key(str(self.handshake[KV_SECRET_FIELD]), migration_id)
 
     async def command(self, **body: Any) -> None:
         reply = await self.commands.send(EngineCommand(schema_version=1, **body))
@@ -193,7 +197,8 @@ async def _migrate(source: Engine, destination: Engine, name: str, kv_address: s
     sends to `kv_address` (default: the destination's KV receiver) over `transport`; for a pair channel
     the destination engine opens it first (OpenChannel), as its llumlet does in Propose."""
     migration: dict[str, Any] = {"migration_id": name, "request_id": name,
-                                 "kv_address": kv_address or destination.kv_address, "transport": transport}
+                                 "kv_address": kv_address or destination.kv_address, "transport": transport,
+                                 "kv_key": destination.kv_key(name)}
     if transport != "tcp":
         opened = await destination.commands.send(EngineCommand(
             schema_version=1, open_channel=OpenChannel(backend=transport, migration_id=name)))
@@ -315,7 +320,8 @@ async def test_zero_kv_control_diverges(engines: tuple[Engine, Engine], referenc
 
 async def test_dropped_staging_is_recomputed(engines: tuple[Engine, Engine], reference: list[int]) -> None:
     source, destination = engines
-    migration = {"migration_id": "dropped", "request_id": "dropped", "kv_address": destination.kv_address}
+    migration = {"migration_id": "dropped", "request_id": "dropped", "kv_address": destination.kv_address,
+                 "kv_key": destination.kv_key("dropped")}
 
     async def at_mark(count: int) -> None:
         await source.command(export_stage=ExportStage(**migration))

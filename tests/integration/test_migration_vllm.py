@@ -40,7 +40,7 @@ import pytest
 import pytest_asyncio
 from zeroing_kv_relay import ZeroingKVRelay
 
-from llumnix.engine.handshake import default_handshake_path, read_handshake, write_handshake
+from llumnix.engine.handshake import default_handshake_path, migration_key, read_handshake, write_handshake
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver
 from llumnix.launch.llumlet_process import LlumletProcess
@@ -418,8 +418,9 @@ class GatedDestination(migration_pb2_grpc.LlumletMigrationServicer):
         self.receiver.start()
         await self._pass("propose")
         # A short lease: the source renews it after its first stages.
+        key = migration_key(self.receiver.kv_secret, request.migration_id)
         return mpb.ProposeMigrationResponse(accepted=True, kv_address=self.receiver.address, transport="tcp",
-                                            lease_ms=100)
+                                            lease_ms=100, kv_key=key)
 
     async def Renew(self, request: mpb.RenewMigrationRequest, context: Any) -> mpb.RenewMigrationResponse:
         await self._pass("renew")

@@ -10,10 +10,12 @@ from types import ModuleType
 
 import pytest
 
+from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.v1.kv_transfer_pb2 import EngineCommand, ExportStage, KVChannel, MigrationEvent
 
 CPU = {"kv_channels": ["tcp", "gloo"]}
 CUDA = {"kv_channels": ["tcp", "gloo", "nccl"]}
+DESTINATION = {"kv_address": "tcp://10.0.0.7:4000", "kv_secret": new_kv_secret()}
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +39,11 @@ def test_auto_takes_nccl_between_cuda_engines_and_tcp_otherwise(bench: ModuleTyp
 
 def test_export_commands_carry_the_channel_the_destination_opened(bench: ModuleType) -> None:
     channel = KVChannel(backend="nccl", channel_id="c", nccl_unique_id=bytes(128))
-    fields = bench.export_fields("m", "tcp://10.0.0.7:4000", "nccl", channel)
+    fields = bench.export_fields("m", DESTINATION, "nccl", channel)
     command = EngineCommand(schema_version=1, export_stage=ExportStage(**fields))
     assert command.export_stage.channel == channel and command.export_stage.transport == "nccl"
-    assert "channel" not in bench.export_fields("m", "tcp://10.0.0.7:4000", "tcp", None)
+    assert command.export_stage.kv_key == migration_key(DESTINATION["kv_secret"], "m")
+    assert "channel" not in bench.export_fields("m", DESTINATION, "tcp", None)
 
 
 def test_stages_are_spread_before_the_final_one(bench: ModuleType) -> None:

@@ -7,6 +7,9 @@ from llumnix.engine.handshake import (
     default_handshake_path,
     handshake_record,
     incompatibilities,
+    migration_key,
+    new_kv_secret,
+    public_record,
     read_handshake,
     write_handshake,
 )
@@ -28,6 +31,19 @@ def test_write_then_read_round_trip(tmp_path: Path):
     assert loaded["kv_layout"]["page_shape"] == [2, 32, 64]
     assert loaded["kv_layout"]["bytes_per_block"] == 2 * 2 * 32 * 64 * 4
     assert list(path.parent.iterdir()) == [path]
+
+
+def test_the_kv_secret_stays_in_the_owners_file_and_out_of_what_peers_see(tmp_path: Path):
+    secret = new_kv_secret()
+    path = tmp_path / "engine.sock.handshake.json"
+    write_handshake(path, {**record(), "kv_secret": secret})
+    assert path.stat().st_mode & 0o777 == 0o600
+    loaded = read_handshake(path)
+    assert loaded["kv_secret"] == secret and "kv_secret" not in public_record(loaded)
+    assert public_record(loaded) == {k: v for k, v in loaded.items() if k != "kv_secret"}
+    # One key per migration, which only the secret's holder can make.
+    assert migration_key(secret, "m1") != migration_key(secret, "m2")
+    assert migration_key(secret, "m1") != migration_key(new_kv_secret(), "m1")
 
 
 def test_capacity_does_not_matter_but_layout_does():

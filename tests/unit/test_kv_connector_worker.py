@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from llumnix.engine.handshake import migration_key
 from llumnix.engine.kv_blocks import KVBlockCopier
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
 from llumnix.engine.kv_migration_worker import StageSender, StagingService
@@ -63,7 +64,8 @@ def test_stages_travel_from_one_cache_into_another(rendezvous, transport: str) -
     request_blocks = (3, 7, 9)
     try:
         for stage, first, blocks, tokens, final in ((1, 0, (3, 7), 6, False), (2, 1, (7, 9), 10, True)):
-            item = ExportItem("m", "r", "engine-r", stage, final, first, blocks, tokens, destination)
+            item = ExportItem("m", "r", "engine-r", stage, final, first, blocks, tokens, destination,
+                              migration_key(staging.kv_secret, "m"))
             sender.submit(item, source.copy_out_block_major(blocks), copy_ms=0.5)
         _wait(events, 4)
     finally:
@@ -89,7 +91,8 @@ def test_a_dead_destination_becomes_a_stage_failed_event() -> None:
     copier = KVBlockCopier(_cache(1), 16)
     events: list[MigrationEvent] = []
     sender = StageSender(copier.layout.bytes_per_block, copier.layout.dtype, events.append, timeout_s=1)
-    item = ExportItem("m", "r", "engine-r", 1, False, 0, (1,), 3, Destination("tcp://127.0.0.1:1", "tcp"))
+    item = ExportItem("m", "r", "engine-r", 1, False, 0, (1,), 3, Destination("tcp://127.0.0.1:1", "tcp"),
+                      b"")
     sender.submit(item, copier.copy_out_block_major((1,)), copy_ms=0.1)
     _wait(events, 1)
     sender.close()
@@ -150,7 +153,9 @@ def test_connector_workers_move_a_final_stage_and_load_it(tmp_path, rendezvous, 
         assert source.kv_channels == ["tcp", "gloo"] and target.kv_address.startswith("tcp://127.0.0.1:")
 
         destination = _destination(rendezvous, target.kv_address, transport)
-        final = ExportItem("m", "r", "engine-r", 1, True, 0, (3, 7), 6, destination)
+        assert target.kv_secret is not None
+        final = ExportItem("m", "r", "engine-r", 1, True, 0, (3, 7), 6, destination,
+                           migration_key(target.kv_secret, "m"))
         source.copy_exports([final], final=False)  # live stages only: the final one waits
         assert source.take_finished_sending() == set()
         source.copy_exports([final], final=True)

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
@@ -26,13 +27,15 @@ from llumnix.engine.kv_transport_tcp import TcpKVReceiver, TcpKVSender
 from llumnix.v1.kv_transfer_pb2 import KVChannel, KVStageAck, KVStageHeader, OpenChannel
 
 BLOCK = 64  # bytes per block in these tests
+SECRET = new_kv_secret()
+"""The test receivers' secret: `_header` carries the key a destination's llumlet would hand out."""
 
 
 def _header(migration_id: str, stage: int, first: int, blocks: int, tokens: int, **override) -> KVStageHeader:
     fields = dict(
         schema_version=KV_FRAME_SCHEMA_VERSION, migration_id=migration_id, stage=stage, first_block=first,
         num_blocks=blocks, num_tokens=tokens, payload_bytes=blocks * BLOCK, bytes_per_block=BLOCK,
-        dtype="float32",
+        dtype="float32", kv_key=migration_key(SECRET, migration_id),
     )
     fields.update(override)
     return KVStageHeader(**fields)
@@ -107,7 +110,7 @@ def test_leases_expire_untouched_migrations_only() -> None:
 def receiver():
     staging = StagingStore(BLOCK, "float32", lease_s=30)
     seen: list[tuple[str, int]] = []
-    receiver = TcpKVReceiver("127.0.0.1", 0, staging=staging,
+    receiver = TcpKVReceiver("127.0.0.1", 0, staging=staging, kv_secret=SECRET,
                              on_stage=lambda header: seen.append((header.migration_id, header.stage)))
     receiver.start()
     receiver.seen = seen
@@ -130,6 +133,58 @@ def test_stages_over_tcp_land_in_staging_on_one_connection(receiver) -> None:
     assert staged.num_tokens == 64 and bytes(staged.blocks(0, 2)) == _blocks(1, 7)
 
 
+def _closed(sock: socket.socket) -> bool:
+    """The receiver closed the connection (a reset: it closed with our payload unread)."""
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 32, migration_key(SECRET, "another-migration")],
+                         ids=["missing", "wrong", "another migration's"])
+def test_a_frame_without_its_migrations_key_is_refused_and_nothing_is_staged(receiver, key: bytes) -> None:
+    # A raw client on the KV port: a well-formed frame, but no negotiated migration behind it.
+    with socket.create_connection(parse_tcp_address(receiver.address), timeout=5) as raw:
+        write_frame(raw, _header("m", 1, 0, 2, 40, kv_key=key), _blocks(1, 2))
+        ack = read_ack(raw)
+        assert not ack.ok and "not a negotiated migration" in ack.error
+        assert _closed(raw)  # before the payload was read: the connection ends
+    assert len(receiver.staging) == 0 and receiver.staging.bytes_held == 0 and receiver.seen == []
+    sender = TcpKVSender(receiver.address, timeout_s=5)
+    try:
+        with pytest.raises(KVTransportError, match="not a negotiated migration"):
+            sender.send(_header("m", 1, 0, 1, 3, kv_key=key), _blocks(1))
+    finally:
+        sender.close()
+    assert len(receiver.staging) == 0
+
+
+def test_bytes_that_are_no_frame_close_the_connection(receiver) -> None:
+    with socket.create_connection(parse_tcp_address(receiver.address), timeout=5) as raw:
+        raw.sendall(b"\x00\x00\x00\x05hello" + b"GET / HTTP/1.1\r\n\r\n")
+        assert _closed(raw)
+    assert len(receiver.staging) == 0 and receiver.seen == []
+
+
+def test_a_pair_channel_without_the_key_is_refused_before_joining() -> None:
+    staging = StagingStore(BLOCK, "float32")
+    receiver = make_receiver(host="127.0.0.1", staging=staging, kv_secret=SECRET, timeout_s=5)
+    receiver.start()
+    try:
+        hello = KVStageHeader(schema_version=KV_FRAME_SCHEMA_VERSION, migration_id="m",
+                              channel=KVChannel(backend="gloo", channel_id="c", store_address="127.0.0.1:1"))
+        with socket.create_connection(parse_tcp_address(receiver.address), timeout=5) as raw:
+            raw.sendall(encode_message(hello))
+            ack = read_ack(raw)
+            assert not ack.ok and "not a negotiated migration" in ack.error
+            assert _closed(raw)
+    finally:
+        receiver.close()
+    assert len(staging) == 0
+
+
 def test_a_layout_mismatch_is_refused_and_the_sender_recovers(receiver) -> None:
     sender = TcpKVSender(receiver.address, timeout_s=5)
     try:
@@ -148,7 +203,7 @@ def test_a_layout_mismatch_is_refused_and_the_sender_recovers(receiver) -> None:
 
 def test_sender_reconnects_after_the_receiver_restarts() -> None:
     staging = StagingStore(BLOCK, "float32")
-    first = TcpKVReceiver("127.0.0.1", 0, staging=staging)
+    first = TcpKVReceiver("127.0.0.1", 0, staging=staging, kv_secret=SECRET)
     first.start()
     host, port = parse_tcp_address(first.address)
     sender = TcpKVSender(first.address, timeout_s=5)
@@ -156,7 +211,7 @@ def test_sender_reconnects_after_the_receiver_restarts() -> None:
         assert sender.send(_header("m", 1, 0, 1, 1), _blocks(1)).ok
         first.close()
         time.sleep(0.1)
-        second = TcpKVReceiver(host, port, staging=staging)
+        second = TcpKVReceiver(host, port, staging=staging, kv_secret=SECRET)
         second.start()
         try:
             assert sender.send(_header("m", 2, 0, 1, 2), _blocks(2)).ok
@@ -191,7 +246,7 @@ def test_a_dead_destination_fails_within_the_timeout() -> None:
 
 def test_factories_choose_the_transport() -> None:
     staging = StagingStore(BLOCK, "float32")
-    receiver = make_receiver(host="127.0.0.1", staging=staging)
+    receiver = make_receiver(host="127.0.0.1", staging=staging, kv_secret=SECRET)
     assert isinstance(receiver, KVStageReceiver)
     receiver.close()
     assert isinstance(make_sender("", "tcp://127.0.0.1:1"), TcpKVSender)
@@ -219,7 +274,7 @@ def rendezvous():
 @pytest.fixture
 def pair_receiver():
     staging = StagingStore(BLOCK, "float32")
-    receiver = make_receiver(host="127.0.0.1", staging=staging, timeout_s=5)
+    receiver = make_receiver(host="127.0.0.1", staging=staging, kv_secret=SECRET, timeout_s=5)
     receiver.start()
     yield receiver
     receiver.close()
@@ -273,7 +328,7 @@ def test_a_closed_pair_is_not_rejoined(rendezvous, pair_receiver) -> None:
 
 def test_a_receiver_that_takes_tcp_only_refuses_a_pair_channel(rendezvous) -> None:
     staging = StagingStore(BLOCK, "float32")
-    receiver = TcpKVReceiver("127.0.0.1", staging=staging)
+    receiver = TcpKVReceiver("127.0.0.1", staging=staging, kv_secret=SECRET)
     receiver.start()
     channel = rendezvous.open(OpenChannel(backend="gloo", migration_id="g"))
     sender = make_sender("gloo", receiver.address, timeout_s=5, channel=channel)
@@ -315,7 +370,8 @@ def test_nccl_stages_land_in_device_staging(rendezvous) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL refuses two ranks of one communicator on one GPU)")
     staging = StagingStore(BLOCK, "float32")
-    receiver = make_receiver(host="127.0.0.1", staging=staging, device=torch.device("cuda", 1))
+    receiver = make_receiver(host="127.0.0.1", staging=staging, kv_secret=SECRET,
+                             device=torch.device("cuda", 1))
     receiver.start()
     channel = rendezvous.open(OpenChannel(backend="nccl", migration_id="g"))
     assert len(channel.nccl_unique_id) == 128

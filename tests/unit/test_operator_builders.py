@@ -115,6 +115,8 @@ def test_sim_engine_pod_uses_the_project_image_and_no_gpu() -> None:
         "-m",
         "llumnix.sim_engine",
         "--host",
+        "127.0.0.1",
+        "--kv-host",
         "$(POD_IP)",
         "--port",
         "8000",
@@ -127,8 +129,21 @@ def test_sim_engine_pod_uses_the_project_image_and_no_gpu() -> None:
     ]
     assert engine["resources"] == {}
     llumlet_args = containers(pod)["llumlet"]["args"]
-    # The sim engine binds the pod IP (its KV receiver must be reachable by peers); the llumlet follows.
-    assert llumlet_args[llumlet_args.index("--engine-url") + 1] == "http://$(POD_IP):8000"
+    # Its HTTP API is on localhost behind the llumlet; only its KV receiver is on the pod IP.
+    assert llumlet_args[llumlet_args.index("--engine-url") + 1] == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "sim"])
+def test_the_engine_listens_on_localhost_and_only_its_kv_receiver_on_the_pod_ip(runtime: str) -> None:
+    pod = engine_pod(settings(engine={"runtime": runtime, "blockSize": 32}), CONFIG)
+    engine, llumlet = containers(pod)["engine"], containers(pod)["llumlet"]
+    argv = engine["command"] + engine["args"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    kv_host = (argv[argv.index("--kv-host") + 1] if runtime == "sim"
+               else next(e["value"] for e in engine["env"] if e["name"] == "LLUMNIX_KV_HOST"))
+    assert kv_host == "$(POD_IP)"
+    assert not any(port["containerPort"] == 8000 for port in llumlet["ports"])
+    assert llumlet["args"][llumlet["args"].index("--engine-url") + 1] == "http://127.0.0.1:8000"
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "sim"])

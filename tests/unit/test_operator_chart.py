@@ -201,6 +201,7 @@ def test_network_policy_lets_only_routers_peers_operator_and_prometheus_in(
         "ports": [{"port": "llumlet-http"}],
     }
     # the ports it names are the engine pod's
-    pod_ports = {p["name"] for c in engine_pod(settings, config)["spec"]["containers"] for p in c["ports"]}
+    containers = engine_pod(settings, config)["spec"]["containers"]
+    pod_ports = {p["name"] for c in containers for p in c.get("ports", ())}
     assert {"llumlet-grpc", "llumlet-http"} <= pod_ports
     assert not any(o["kind"] == "NetworkPolicy" for o in owned_objects(settings, BuildConfig()))
