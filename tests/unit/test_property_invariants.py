@@ -27,7 +27,13 @@ from llumnix.load import (
 from llumnix.openai_request import OpenAIRequestError
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
 from llumnix.policies.autoscaling import AutoscalingConfig, decide
-from llumnix.policies.dispatch import NO_TOKENS, POLICY_NAMES, make_dispatch_policy
+from llumnix.policies.dispatch import (
+    NO_TOKENS,
+    POLICY_NAMES,
+    ScoringPolicy,
+    make_dispatch_policy,
+    prefix_freeness,
+)
 from llumnix.policies.migration import MigrationConfig, admits, fits, is_source, pair_migrations
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
 from llumnix.wire import (
@@ -204,34 +210,53 @@ def test_dispatch_never_picks_a_draining_or_ineligible_instance(
 def test_llumnix_dispatch_picks_the_freest_and_a_kept_ranking_agrees_with_a_fresh_one(
     loads: list[InstanceLoad], request: RequestLoad | None, seed: int, data: st.DataObject
 ) -> None:
+    # Instances holding part of the prompt in their prefix cache are scored with the hit; the others
+    # are walked in the order of a bound that does not cover a hit.
     policy = make_dispatch_policy("llumnix", rng=random.Random(seed))
+    assert isinstance(policy, ScoringPolicy)
+    ids = [x.instance_id for x in loads]
+    cached = (
+        data.draw(st.dictionaries(st.sampled_from(ids), st.integers(1, 300), max_size=len(ids)))
+        if ids
+        else {}
+    )
     kept = policy.ranking()
     for load in loads:  # stale loads first, then the current ones, then some instances leave
         kept.update(replace(load, free_blocks=0, reserved_blocks=0))
     for load in loads:
         kept.update(load)
-    gone = (
-        set(data.draw(st.lists(st.sampled_from([x.instance_id for x in loads]), unique=True)))
-        if loads
-        else set()
-    )
+    gone = set(data.draw(st.lists(st.sampled_from(ids), unique=True))) if ids else set()
     for instance_id in gone:
         kept.discard(instance_id)
     present = [load for load in loads if load.instance_id not in gone]
-    decision = kept.choose(request)
+    decision = kept.choose(request, cached=cached)
     serving = [load for load in present if not load.draining]
     if not serving:
         assert decision is None
         return
+
+    def score(load: InstanceLoad) -> float:
+        return policy.score_cached(load, request, cached.get(load.instance_id, 0))
+
     assert decision is not None
-    best = max(dispatch_freeness(load, request) for load in serving)
+    best = max(score(load) for load in serving)
     chosen = next(load for load in serving if load.instance_id == decision.instance_id)
-    assert math.isclose(dispatch_freeness(chosen, request), best, rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(score(chosen), best, rel_tol=1e-9, abs_tol=1e-9)
     assert decision.all_busy == (best < 0)
-    fresh = policy.choose(present, request)
+    fresh = policy.choose(present, request, cached=cached)
     assert fresh is not None
     fresh_load = next(load for load in serving if load.instance_id == fresh.instance_id)
-    assert math.isclose(dispatch_freeness(fresh_load, request), best, rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(score(fresh_load), best, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@given(instance_loads(draining=False), new_requests, st.integers(1, 300), st.floats(0, 8), st.floats(-5, 5))
+def test_a_cache_hit_never_hurts_and_never_makes_a_busy_instance_free(
+    load: InstanceLoad, request: RequestLoad, cached_blocks: int, weight: float, busy: float
+) -> None:
+    with_hit = prefix_freeness(load, request, cached_blocks, weight, busy)
+    without = dispatch_freeness(load, request)
+    assert with_hit >= without - 1e-9
+    assert (with_hit < busy) == (dispatch_freeness(load, request, cached_blocks=cached_blocks) < busy)
 
 
 @given(clusters(), st.floats(0, 20), st.integers(1, 2))
