@@ -24,8 +24,10 @@ from llumnix.engine.handshake import (
     handshake_record,
     write_handshake,
 )
+from llumnix.engine.prefix_cache_report import PrefixCacheReporter
 from llumnix.engine.snapshot_pump import SnapshotPump
 from llumnix.engine.snapshots import SnapshotPublisher
+from llumnix.engine.vllm_kv_events import KvEventFeed, KvEventTranslator
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,7 +41,8 @@ logger = init_logger("vllm.llumnix")
 
 
 class LoadTelemetry:
-    """Publishes the scheduler's load state on `snapshot_addr`."""
+    """Publishes the scheduler's load state on `snapshot_addr`, with the prefix cache's changes read
+    from vLLM's KV events at `kv_events_endpoint` (None: no prefix-cache report)."""
 
     def __init__(
         self,
@@ -48,6 +51,7 @@ class LoadTelemetry:
         block_size: int,
         idle_refresh_s: float,
         stats_interval_s: float,
+        kv_events_endpoint: str | None = None,
     ) -> None:
         self._requests: Mapping[str, tuple[str, Request]] = {}
         self._manager: KVCacheManager | None = None
@@ -56,9 +60,14 @@ class LoadTelemetry:
         self._captures = 0
         self._stats_interval_s = stats_interval_s
         self._stats_logged_at = time.monotonic()
+        prefix_cache: PrefixCacheReporter | None = None
+        self._kv_events: KvEventFeed | None = None
+        if kv_events_endpoint is not None:
+            prefix_cache = PrefixCacheReporter()
+            self._kv_events = KvEventFeed(kv_events_endpoint, KvEventTranslator(prefix_cache, block_size))
         self._pump = SnapshotPump(
             SnapshotPublisher(snapshot_addr), engine_id, block_size, self._capture_idle,
-            idle_refresh_s=idle_refresh_s,
+            idle_refresh_s=idle_refresh_s, prefix_cache=prefix_cache,
         )
 
     def bind(self, manager: KVCacheManager, requests: Mapping[str, tuple[str, Request]]) -> None:
@@ -117,6 +126,8 @@ class LoadTelemetry:
 
     def close(self) -> None:
         self._log_stats()
+        if self._kv_events is not None:
+            self._kv_events.close()
         self._pump.close()
 
 

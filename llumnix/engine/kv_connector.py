@@ -71,10 +71,15 @@ class LlumnixConnector(KVConnectorBase_V1):
                            SNAPSHOT_ADDR_ENV)
             return ConnectorScheduler(self._block_size, telemetry=None, command_address=None)
         extra = self._kv_transfer_config.get_from_extra_config
+        events = self._vllm_config.kv_events_config
+        # With prefix caching and vLLM's ZMQ KV events on, the snapshots report the cached blocks.
+        reports_cache = self._vllm_config.cache_config.enable_prefix_caching and events is not None \
+            and events.enable_kv_cache_events and events.publisher == "zmq"
         telemetry = LoadTelemetry(
             self._snapshot_addr, self._engine_id, self._block_size,
             idle_refresh_s=float(extra("idle_refresh_s", 0.2)),
             stats_interval_s=float(extra("stats_log_interval_s", 60.0)),
+            kv_events_endpoint=events.endpoint if reports_cache and events is not None else None,
         )
         logger.info("llumnix connector: publishing snapshots on %s as %s",
                     self._snapshot_addr, self._engine_id)

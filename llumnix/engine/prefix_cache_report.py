@@ -11,16 +11,27 @@ without asking (the channel is one-way).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 
 from llumnix.v1.engine_pb2 import PrefixCacheUpdate
 
 FULL_EVERY_S = 5.0
+KV_EVENTS_SUFFIX = ".kv-events"
+
+
+def kv_events_address(snapshot_addr: str) -> str | None:
+    """Where the launcher has vLLM publish its KV events (`llumnix.engine.vllm_kv_events` reads them):
+    `<ipc snapshot address>.kv-events`; None for a non-ipc snapshot address."""
+    return snapshot_addr + KV_EVENTS_SUFFIX if snapshot_addr.startswith("ipc://") else None
 
 
 class PrefixCacheReporter:
+    """Thread-safe: the engine may report changes on one thread while snapshots are built on another."""
+
     def __init__(self, full_every_s: float = FULL_EVERY_S) -> None:
         self.full_every_s = full_every_s
+        self._lock = threading.Lock()
         self._cached: set[int] = set()
         self._stored: set[int] = set()
         self._removed: set[int] = set()
@@ -31,6 +42,10 @@ class PrefixCacheReporter:
         return len(self._cached)
 
     def stored(self, blocks: Iterable[int]) -> None:
+        with self._lock:
+            self._store(blocks)
+
+    def _store(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             if block in self._cached:
                 continue
@@ -41,6 +56,10 @@ class PrefixCacheReporter:
                 self._stored.add(block)
 
     def removed(self, blocks: Iterable[int]) -> None:
+        with self._lock:
+            self._remove(blocks)
+
+    def _remove(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             if block not in self._cached:
                 continue
@@ -52,10 +71,15 @@ class PrefixCacheReporter:
 
     def cleared(self) -> None:
         """The engine dropped its whole cache (vLLM's reset_prefix_cache)."""
-        self.removed(list(self._cached))
+        with self._lock:
+            self._remove(list(self._cached))
 
     def update(self, now: float) -> PrefixCacheUpdate | None:
         """What the next snapshot reports; None when nothing changed and no full update is due."""
+        with self._lock:
+            return self._update(now)
+
+    def _update(self, now: float) -> PrefixCacheUpdate | None:
         full = now - self._last_full >= self.full_every_s
         if not (full or self._stored or self._removed):
             return None

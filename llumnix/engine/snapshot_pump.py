@@ -1,8 +1,10 @@
 """Publishes engine snapshots from a background thread, so an engine step only pays for a capture.
 
 The engine's scheduler thread `submit`s each step's `EngineState`; the pump builds the protobuf message
-and publishes it. Only the newest state matters (the llumlet's socket is conflated too), so a state
-that arrives while the previous one is still being built replaces it instead of queueing.
+and publishes it. Only the newest state matters (the llumlet reads only the newest message too), so a
+state that arrives while the previous one is still being built replaces it instead of queueing. The
+prefix cache's changes are not a state but a stream: each snapshot carries all of them since the
+previous one (`PrefixCacheReporter`), whichever states were skipped.
 
 vLLM runs no step while it has nothing to do, so the last step's state would go stale (a finished
 request would look running forever). When no state has arrived for `idle_refresh_s`, the pump asks
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from llumnix.engine.engine_snapshot import EngineState, build_snapshot
+from llumnix.engine.prefix_cache_report import PrefixCacheReporter
 from llumnix.engine.snapshots import SnapshotPublisher
 
 log = logging.getLogger(__name__)
@@ -31,8 +34,11 @@ class SnapshotPump:
         block_size: int,
         capture_idle: Callable[[], EngineState | None],
         idle_refresh_s: float = 0.2,
+        prefix_cache: PrefixCacheReporter | None = None,
     ) -> None:
         self._publisher = publisher
+        self._prefix_cache = prefix_cache
+        """Its changes since the previous snapshot go into each one."""
         self._engine_id = engine_id
         self._block_size = block_size
         self._capture_idle = capture_idle
@@ -77,6 +83,9 @@ class SnapshotPump:
             self.published += 1
             try:
                 snapshot = build_snapshot(self._engine_id, self.published, self._block_size, state)
+                update = None if self._prefix_cache is None else self._prefix_cache.update(time.time())
+                if update is not None:
+                    snapshot.prefix_cache.CopyFrom(update)
                 self._publisher.publish(snapshot)
             except Exception:  # a broken socket must not take the engine down; the llumlet falls back
                 log.exception("publishing an engine snapshot failed")

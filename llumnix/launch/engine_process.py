@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from llumnix.engine.prefix_cache_report import kv_events_address
 from llumnix.engine.vllm_shm_wait import BUSY_ENV as SHM_BUSY_ENV
 from llumnix.engine.vllm_shm_wait import RECHECK_ENV as SHM_RECHECK_ENV
 from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
@@ -142,10 +143,11 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         "--host", config.host,
         "--port", str(config.port),
         "--seed", str(config.seed),
-        # The connector needs one KV cache group, and block-level load accounting needs blocks that
-        # belong to one request.
+        # The connector needs one KV cache group.
         "--disable-hybrid-kv-cache-manager",
-        "--no-enable-prefix-caching",
+        # Prefix caching on (vLLM's default): the load model counts physical blocks (total - free), so
+        # blocks shared by requests count once; the snapshots report the cached blocks (below).
+        "--enable-prefix-caching",
         "--disable-uvicorn-access-log",
     ]
     cpu = config.device == "cpu"
@@ -158,6 +160,10 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
             argv += [flag, str(value)]
     if config.snapshot_addr is not None:
         argv += ["--kv-transfer-config", json.dumps(connector_config(config))]
+        events = kv_events_address(config.snapshot_addr)
+        if events is not None:  # the connector translates them into the snapshots' prefix-cache report
+            argv += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                       "endpoint": events})]
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            # `-m` must not pick up a repository's `operator/` from the working directory.
            "PYTHONSAFEPATH": "1"}

@@ -23,7 +23,9 @@ def test_cpu_command_and_environment():
     assert flag(argv, "--model") == "/models/tiny" and flag(argv, "--port") == "8101"
     assert flag(argv, "--block-size") == "64" and flag(argv, "--max-model-len") == "256"
     assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--served-model-name") == "tiny"
-    assert {"--enforce-eager", "--disable-hybrid-kv-cache-manager", "--no-enable-prefix-caching"} <= set(argv)
+    assert {"--enforce-eager", "--disable-hybrid-kv-cache-manager", "--enable-prefix-caching"} <= set(argv)
+    assert json.loads(flag(argv, "--kv-events-config")) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///tmp/e.sock.kv-events"}
     assert argv[-2:] == ["--max-num-batched-tokens", "512"]
     transfer = json.loads(flag(argv, "--kv-transfer-config"))
     assert transfer["kv_connector"] == "LlumnixConnector"

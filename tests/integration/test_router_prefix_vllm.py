@@ -1,0 +1,115 @@
+"""Prefix-aware dispatch on two real CPU vLLM engines (tiny model, prefix caching on, KV cache events
+translated by the connector): after one request with a long prompt, requests sharing that prompt's
+prefix all go to the engine that has it cached. Shown by the engines' own counters
+(vllm:prefix_cache_queries / vllm:prefix_cache_hits): the other engine is never asked, the holder
+serves each follower's prefix from its cache. Times to first token are printed (a cache hit skips
+the prefix's prefill); nothing here depends on how fast the engines are."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from service_auth import SERVICE_TOKEN
+from waiting import wait_until
+
+from llumnix.launch.pair import EnginePair, PairConfig
+from llumnix.prefix_cache import block_hashes
+from llumnix.router.api import ApiSettings
+from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.server import Router, RouterConfig
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not importable (install the cpu extra: bash scripts/setup.sh)"),
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(1200),  # two engines start first
+]
+
+BLOCK = 32  # the pairs' CPU block size
+PREFIX_BLOCKS = 20
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pairs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> AsyncIterator[list[EnginePair]]:
+    work = tmp_path_factory.mktemp("prefix-vllm")
+    started = [EnginePair(PairConfig(instance_id=name, work_dir=work / name, model_dir=tiny_model_dir,
+                                     service_token=SERVICE_TOKEN, shutdown_grace_s=5.0,
+                                     engine_start_timeout_s=900.0))
+               for name in ("a", "b")]
+    try:
+        await asyncio.gather(*(p.start() for p in started))
+        yield started
+    finally:
+        await asyncio.gather(*(p.stop() for p in started), return_exceptions=True)
+
+
+async def counters(session: aiohttp.ClientSession, pair: EnginePair) -> tuple[float, float]:
+    """(prefix-cache queries, hits) in tokens, summed over the engine's label sets."""
+    async with session.get(pair.engine_url + "/metrics") as response:
+        text = await response.text()
+    values = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+async def ttft(session: aiohttp.ClientSession, router: Router, prompt: list[int]) -> float:
+    started = time.monotonic()
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+    first = None
+    async with session.post(router.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for _line in response.content:
+            first = first or time.monotonic()
+    assert first is not None
+    return first - started
+
+
+async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: list[EnginePair]) -> None:
+    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
+                          service_token=SERVICE_TOKEN)
+    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
+    await router.start()
+    rng = random.Random(0)
+    prefix = [rng.randrange(10, 300) for _ in range(PREFIX_BLOCKS * BLOCK)]
+    hashes = block_hashes(prefix, BLOCK)
+    index = router.instances.prefix_index
+    try:
+        await wait_until(lambda: len(router.instances.dispatchable()) == 2, "both load streams", 60.0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
+            for pair in pairs:  # a first request pays for warm-up: not the prefix's prefill
+                async with session.post(pair.engine_url + "/v1/completions",
+                                        json={"model": "tiny", "prompt": [5] * 8, "max_tokens": 2}) as warm:
+                    assert warm.status == 200, await warm.text()
+            leader = await ttft(session, router, [*prefix, 1])
+            # The engine reports the blocks (KV events -> snapshot -> llumlet -> load stream).
+            await wait_until(lambda: PREFIX_BLOCKS in index.cached_blocks(hashes).values(),
+                             "the router to learn which engine caches the prefix", 60.0)
+            (holder_id,) = index.cached_blocks(hashes)
+            holder = next(p for p in pairs if p.config.instance_id == holder_id)
+            other = next(p for p in pairs if p is not holder)
+            before = {p.config.instance_id: await counters(session, p) for p in pairs}
+            followers = [await ttft(session, router, [*prefix, *([n + 2] * BLOCK)]) for n in range(4)]
+            after = {p.config.instance_id: await counters(session, p) for p in pairs}
+    finally:
+        await router.shutdown()
+    print(f"TTFT s: first request (prefix computed) {leader:.3f}; followers (prefix cached) "
+          f"{', '.join(f'{t:.3f}' for t in followers)}")
+    queried = after[holder_id][0] - before[holder_id][0]
+    hits = after[holder_id][1] - before[holder_id][1]
+    assert after[other.config.instance_id] == before[other.config.instance_id]  # never asked
+    assert queried == 4 * (PREFIX_BLOCKS + 1) * BLOCK
+    assert hits == 4 * PREFIX_BLOCKS * BLOCK, (queried, hits)
