@@ -17,6 +17,8 @@ import struct
 import threading
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import (
@@ -154,7 +156,7 @@ class TcpKVReceiver(KVReceiver):
     def _serve(self, conn: socket.socket) -> None:
         try:
             self._serve_connection(conn, KVStageHeader.FromString(recv_message(conn)))
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError, DecodeError):  # a peer gone, or bytes that are no frame
             return
         finally:
             with self._lock:

@@ -161,6 +161,7 @@ def test_a_frame_without_its_migrations_key_is_refused_and_nothing_is_staged(rec
     assert len(receiver.staging) == 0
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_bytes_that_are_no_frame_close_the_connection(receiver) -> None:
     with socket.create_connection(parse_tcp_address(receiver.address), timeout=5) as raw:
         raw.sendall(b"\x00\x00\x00\x05hello" + b"GET / HTTP/1.1\r\n\r\n")
