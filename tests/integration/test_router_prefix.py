@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
+from prefix_counters import prefix_cache_counters
 from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair
@@ -29,18 +30,6 @@ PREFIX_BLOCKS = 40
 # ones that follow it (it holds the shared prefix while they arrive).
 ENGINE = {"num_blocks": 96, "block_size": BLOCK, "max_model_len": 1400,
           "engine_args": ("--time-scale", "0.25", "--enable-prefix-caching")}
-
-
-async def counters(session: aiohttp.ClientSession, pair: EnginePair) -> tuple[float, float]:
-    """(prefix-cache queries, hits) in tokens, from the engine's /metrics."""
-    async with session.get(pair.engine_url + "/metrics") as response:
-        text = await response.text()
-    values = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-            values[name] = float(line.rsplit(" ", 1)[1])
-    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 
 async def complete(session: aiohttp.ClientSession, router: Router, prompt: list[int], max_tokens: int
@@ -73,9 +62,9 @@ async def followers_land(router: Router, pairs: list[EnginePair], seed: int
         (holder_id,) = index.cached_blocks(hashes)
         holder = next(p for p in pairs if p.config.instance_id == holder_id)
         for n in range(3):
-            before = {p.config.instance_id: await counters(session, p) for p in pairs}
+            before = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
             ttft = await complete(session, router, [*prefix, *([n + 1] * BLOCK)], max_tokens=2)
-            after = {p.config.instance_id: await counters(session, p) for p in pairs}
+            after = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
             served = [iid for iid in after if after[iid][0] > before[iid][0]]
             assert len(served) == 1, (before, after)
             hits = after[served[0]][1] - before[served[0]][1]

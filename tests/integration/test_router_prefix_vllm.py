@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from prefix_counters import prefix_cache_counters
 from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
@@ -51,18 +52,6 @@ async def pairs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         yield started
     finally:
         await asyncio.gather(*(p.stop() for p in started), return_exceptions=True)
-
-
-async def counters(session: aiohttp.ClientSession, pair: EnginePair) -> tuple[float, float]:
-    """(prefix-cache queries, hits) in tokens, summed over the engine's label sets."""
-    async with session.get(pair.engine_url + "/metrics") as response:
-        text = await response.text()
-    values = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in values:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 
 async def ttft(session: aiohttp.ClientSession, router: Router, prompt: list[int]) -> float:
@@ -101,9 +90,9 @@ async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: 
             (holder_id,) = index.cached_blocks(hashes)
             holder = next(p for p in pairs if p.config.instance_id == holder_id)
             other = next(p for p in pairs if p is not holder)
-            before = {p.config.instance_id: await counters(session, p) for p in pairs}
+            before = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
             followers = [await ttft(session, router, [*prefix, *([n + 2] * BLOCK)]) for n in range(4)]
-            after = {p.config.instance_id: await counters(session, p) for p in pairs}
+            after = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
     finally:
         await router.shutdown()
     print(f"TTFT s: first request (prefix computed) {leader:.3f}; followers (prefix cached) "
