@@ -22,13 +22,20 @@ SNAPSHOT_ADDR_ENV = "LLUMNIX_SNAPSHOT_ADDR"
 """Environment variable naming the socket address (e.g. ipc:///tmp/llumnix-engine-0.sock)."""
 
 
+SEND_QUEUE_SNAPSHOTS = 64
+"""Snapshots queued for a subscriber that is behind. A full PUB queue drops the *newest* message, so
+a short queue turned a llumlet's brief stall into a stale load (the last steps of a burst lost until
+the next idle refresh); the subscriber drains whatever is queued to the newest, so a backlog costs it
+only the parsing."""
+
+
 class SnapshotPublisher:
     """Engine side. `publish` never blocks: with no subscriber, or a full queue, the message drops."""
 
     def __init__(self, addr: str) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.SNDHWM, 2)
+        self._sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_SNAPSHOTS)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(addr)
         self.addr = addr
