@@ -47,15 +47,15 @@ from sim_service import (
     client_session,
     engine_gauges,
     expected_tokens,
+    migrate_busiest,
+    migration_outcome,
     nice_self,
     raise_fd_limit,
     stream_completion,
 )
 from tqdm import tqdm
 
-from llumnix.control.migration_pass import outcome_name
 from llumnix.launch.pair import EnginePair
-from llumnix.v1 import migration_pb2 as mpb
 
 FAULT_KINDS = ("engine", "llumlet", "router", "migration-source", "migration-destination")
 OUTCOMES = ("completed", "failed-clean", "failed-other", "lost")
@@ -218,28 +218,14 @@ async def _migration_fault(run: Run, fault: Fault, record: FaultRecord) -> None:
                     break
             await asyncio.sleep(STAGING_POLL_S)
         if not staging:
-            record.migration += f"missed ({await settled(migration)}); "
+            record.migration += f"missed ({await migration_outcome(migration)}); "
             continue
         victim = source if kill_source else destination
         record.target = victim
         _kill(service.backend.pair(victim), record.process)
-        record.migration += f"killed mid-stage: {await settled(migration)}"
+        record.migration += f"killed mid-stage: {await migration_outcome(migration)}"
         return
     record.error = "no migration could be caught mid-stage"
-
-
-async def settled(migration: asyncio.Task[mpb.MigrateOutResponse]) -> str:
-    """How a migration the control loop ran ended: its outcome, or why the call failed (a killed
-    source's call fails, and is cancelled when the control loop drops the dead instance's connection)."""
-    await asyncio.wait([migration])
-    if migration.cancelled():
-        return "call cancelled (instance dropped)"
-    exc = migration.exception()
-    if exc is not None:
-        return f"call failed ({type(exc).__name__})"
-    result = migration.result()
-    name = outcome_name(result.outcome)
-    return f"{name} ({result.reason})" if result.reason else name
 
 
 async def inject(run: Run, session: aiohttp.ClientSession, fault: Fault) -> FaultRecord:
@@ -282,17 +268,12 @@ async def faults(run: Run, session: aiohttp.ClientSession, plan: list[Fault]) ->
 
 async def forced_migrations(run: Run) -> None:
     """A migration every --migrate-every seconds (busiest to freest), so streams move under load."""
-    loop = run.service.loop
     while run.sending:
         await asyncio.sleep(run.args.migrate_every)
-        serving = sorted((i for i in loop.status().instances if i.phase == "ready" and not i.draining),
-                         key=lambda i: (-i.running, i.instance_id))
-        if len(serving) < 2 or serving[0].running == 0:
-            continue
         async with run.migrating:
-            migration = asyncio.create_task(loop.migrate(None, serving[0].instance_id,
-                                                         serving[-1].instance_id))
-            run.forced_migrations[(await settled(migration)).split(" (", 1)[0]] += 1
+            outcome = await migrate_busiest(run.service.loop)
+        if outcome is not None:
+            run.forced_migrations[outcome.split(" (", 1)[0]] += 1
 
 
 async def idle_state(service: SimService, session: aiohttp.ClientSession, timeout_s: float

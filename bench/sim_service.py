@@ -28,6 +28,7 @@ import grpc
 
 from llumnix.control.local_backend import LocalProcessBackend
 from llumnix.control.loop import ControlLoop
+from llumnix.control.migration_pass import outcome_name
 from llumnix.control.status import ControlEvent
 from llumnix.launch.child_process import ChildCommand, ChildProcess
 from llumnix.launch.pair import EnginePair, free_port
@@ -37,6 +38,7 @@ from llumnix.service_token import ServiceToken, call_metadata
 from llumnix.sim_engine.tokens import TokenGenerator
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
+from llumnix.v1 import migration_pb2 as mpb
 
 MODEL = "sim"
 ROUTER_START_TIMEOUT_S = 120.0
@@ -251,6 +253,31 @@ async def engine_gauges(session: aiohttp.ClientSession, engine_url: str) -> dict
         if name in wanted:
             values[name.split(":", 1)[1]] = float(line.rsplit(" ", 1)[1])
     return values
+
+
+async def migration_outcome(migration: asyncio.Task[mpb.MigrateOutResponse]) -> str:
+    """How a migration the control loop ran ended: its outcome, or why the call failed (a killed
+    source's call fails, and is cancelled when the control loop drops the dead instance's connection)."""
+    await asyncio.wait([migration])
+    if migration.cancelled():
+        return "call cancelled (instance dropped)"
+    exc = migration.exception()
+    if exc is not None:
+        return f"call failed ({type(exc).__name__})"
+    result = migration.result()
+    name = outcome_name(result.outcome)
+    return f"{name} ({result.reason})" if result.reason else name
+
+
+async def migrate_busiest(loop: ControlLoop) -> str | None:
+    """One migration through the control loop (what `llumnix admin migrate` does) from the instance
+    running most requests to the one running fewest; how it ended, or None when nothing runs."""
+    serving = sorted((i for i in loop.status().instances if i.phase == "ready" and not i.draining),
+                     key=lambda i: (-i.running, i.instance_id))
+    if len(serving) < 2 or serving[0].running == 0:
+        return None
+    source, destination = serving[0].instance_id, serving[-1].instance_id
+    return await migration_outcome(asyncio.create_task(loop.migrate(None, source, destination)))
 
 
 def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int = 0) -> list[int]:
