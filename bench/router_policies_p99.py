@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -54,7 +55,9 @@ async def wait_until(condition, timeout_s: float) -> None:
 
 
 async def serve_once(service: LocalService, policy: str, args: argparse.Namespace, out: Path) -> dict:
-    config = router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy=policy)
+    # A router of its own over the service's llumlets, presenting the service's token as its own does.
+    config = replace(router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy=policy),
+                     service_token=service.token)
     router = Router(config, ListInstanceSource(service.source.addresses))
     await router.start()
     try:

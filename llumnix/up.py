@@ -133,7 +133,7 @@ class LocalService:
         self.settings = settings = load_service_file(service_file)
         # One credential per run, as the operator keeps one per service: every llumlet requires it and
         # the router and the control loop present it; it reaches the llumlets in their environment.
-        token = ServiceToken.generate()
+        self.token = token = ServiceToken.generate()
         self.backend = LocalProcessBackend(settings, work_dir, model_dir, token=token)
         max_model_len = pair_config(settings, "check", work_dir, model_dir).max_model_len
         self.source = ListInstanceSource()

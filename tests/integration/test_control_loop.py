@@ -87,7 +87,8 @@ async def test_16_instances_serve_a_bursty_trace_under_llumnix_and_round_robin(s
     # Bursty (CV 3) arrivals of a power-law length mix: round-robin lands requests behind long ones.
     trace = generate_trace("S-S", num_requests=240, rate=16.0, cv=3.0, seed=1, max_total_tokens=600)
     llumnix, llumnix_errors = await p99_ttft(service.router, trace)
-    config = router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy="round-robin")
+    config = replace(router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy="round-robin"),
+                     service_token=service.token)  # the service's llumlets require its token
     round_robin_router = Router(config, ListInstanceSource(service.source.addresses))
     await round_robin_router.start()
     try:
