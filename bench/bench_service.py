@@ -1,11 +1,12 @@
-"""A service of sim engines for the chaos and load benchmarks (bench/chaos.py, bench/load.py): the
-product's local-mode pieces — engine + llumlet pairs as processes (`LocalProcessBackend`), the control
-loop (migration, replacement) in this process — and one or more `llumnix router` processes, so that a
-router can be killed -9 and restarted like a Deployment's pod. Every llumlet requires the service
-token; the routers and the control loop present it.
+"""The service under test of the chaos and load benchmarks (bench/chaos.py, bench/load.py): the
+product's local-mode pieces — engine + llumlet pairs as processes (`LocalProcessBackend`; sim engines,
+or CPU vLLM with the tiny model), the control loop (migration, replacement) in this process — and one
+or more `llumnix router` processes, so that a router can be killed -9 and restarted like a
+Deployment's pod. Every llumlet requires the service token; the routers and the control loop present it.
 
-Also the parts the two benchmarks share: a greedy streaming client that checks every token against
-the sim engine's own next-token function, and reading a process's RSS.
+Also the parts the two benchmarks share: a greedy streaming client whose answers are checked token by
+token (against the sim engine's own next-token function, or an unfaulted reference answer), migrations
+through the control loop, and reading a process's RSS.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 from llumnix.v1 import migration_pb2 as mpb
 
-MODEL = "sim"
+RUNTIMES = ("sim", "vllm-cpu")
+MODELS = {"sim": "sim", "vllm-cpu": "tiny"}
+Expected = tuple[list[int], str]
+"""A request's unfaulted answer: its token ids and its text."""
 ROUTER_START_TIMEOUT_S = 120.0
 
 
@@ -63,16 +67,19 @@ def rss_mib(pid: int | None) -> float | None:
     return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
 
 
-def write_manifest(path: Path, name: str, instances: int, engine_args: Sequence[str]) -> Path:
-    """An LLMService of `instances` sim engines, migration on, autoscaling off (JSON is YAML)."""
+def write_manifest(path: Path, name: str, instances: int, runtime: str, engine_args: Sequence[str]) -> Path:
+    """An LLMService of `instances` engines, migration on, autoscaling off (JSON is YAML)."""
+    cpu = runtime == "vllm-cpu"
     manifest = {
         "apiVersion": "llumnix.io/v1alpha1", "kind": "LLMService", "metadata": {"name": name},
         "spec": {
-            "model": {"name": MODEL},
-            "engine": {"runtime": "sim", "blockSize": 16, "args": list(engine_args)},
+            "model": {"name": MODELS[runtime]},
+            # CPU attention needs blocks of a multiple of 32
+            "engine": {"runtime": runtime, "blockSize": 32 if cpu else 16, "args": list(engine_args)},
             "instances": {"min": instances, "max": instances},
             "migration": {"enabled": True, "intervalMs": 100, "freenessThreshold": 3},
-            "autoscaling": {"enabled": False, "startupGraceSeconds": 60},
+            # CPU vLLM starts in 20-40 s alone, far slower on a busy machine
+            "autoscaling": {"enabled": False, "startupGraceSeconds": 600 if cpu else 60},
             "router": {"port": 8000},
         },
     }
@@ -141,21 +148,24 @@ class RouterReplica:
         return None
 
 
-class SimService:
-    """Sim engine + llumlet pairs under the control loop, and router processes over them."""
+class BenchService:
+    """Engine + llumlet pairs under the control loop, and router processes over them."""
 
     def __init__(self, work: Path, *, name: str, instances: int, routers: int, engine_args: Sequence[str],
-                 llumlet_args: Sequence[str] = (), router_args: Sequence[str] = (),
+                 runtime: str = "sim", model_dir: Path | None = None, llumlet_args: Sequence[str] = (),
+                 router_args: Sequence[str] = (),
                  on_event: Callable[[ControlEvent], None] | None = None) -> None:
+        """`model_dir`: the model of a vllm-cpu service (`llumnix.tiny_model.ensure_tiny_model`)."""
         work.mkdir(parents=True, exist_ok=True)
         self.work = work
-        self.manifest = write_manifest(work / "service.yaml", name, instances, engine_args)
+        self.model = MODELS[runtime]
+        self.manifest = write_manifest(work / "service.yaml", name, instances, runtime, engine_args)
         loaded = load_service_file(str(self.manifest))
         self.settings = _WithLlumletArgs(loaded.name, loaded.namespace, loaded.spec, tuple(llumlet_args))
         self.token = ServiceToken.generate()
         self.instances_file = work / "instances.txt"
         self.instances_file.write_text("")
-        self.backend = LocalProcessBackend(self.settings, work / "instances", None, token=self.token)
+        self.backend = LocalProcessBackend(self.settings, work / "instances", model_dir, token=self.token)
         self.events: list[tuple[float, ControlEvent]] = []
         self._on_event = on_event
         self.loop = ControlLoop(self.settings, self.backend, on_event=self._event,
@@ -280,14 +290,15 @@ async def migrate_busiest(loop: ControlLoop) -> str | None:
     return await migration_outcome(asyncio.create_task(loop.migrate(None, source, destination)))
 
 
-def expected_tokens(prompt: Sequence[int], max_tokens: int, seed: int = 0) -> list[int]:
+def sim_expected(prompt: Sequence[int], max_tokens: int, seed: int = 0) -> Expected:
     """What a sim engine (seed `seed`, no end-of-sequence) generates for `prompt`: the unfaulted,
     greedy output every request must get, whatever was killed or moved under it."""
     generator = TokenGenerator(seed)
     sequence = list(prompt)
     for _ in range(max_tokens):
         sequence.append(generator.next_token(sequence, eos_allowed=False))
-    return sequence[len(prompt):]
+    tokens = sequence[len(prompt):]
+    return tokens, "".join(map(chr, tokens))
 
 
 @dataclass
@@ -309,15 +320,19 @@ class StreamResult:
     first_token: float | None = None
     finished: float | None = None
 
-    def matches(self, expected: Sequence[int]) -> bool:
-        return (self.status == 200 and self.done and self.error is None and self.finish_reason == "length"
-                and self.tokens == list(expected) and self.text == "".join(map(chr, expected)))
+    def complete(self) -> bool:
+        """A whole answer: 200, [DONE], no error, finished by length (every request ignores EOS)."""
+        return self.status == 200 and self.done and self.error is None and self.finish_reason == "length"
+
+    def matches(self, expected: Expected) -> bool:
+        tokens, text = expected
+        return self.complete() and self.tokens == tokens and self.text == text
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: Sequence[int], max_tokens: int,
-                            deadline_s: float) -> StreamResult:
+async def stream_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: Sequence[int],
+                            max_tokens: int, deadline_s: float) -> StreamResult:
     """POST a greedy streaming completion (token-id prompt, `return_token_ids`) and read it to its end."""
-    body = {"model": MODEL, "prompt": list(prompt), "max_tokens": max_tokens, "stream": True,
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     result = StreamResult(started=time.monotonic())
     try:
