@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -307,9 +308,11 @@ class Phases:
 # ---- requests -----------------------------------------------------------------------------------------
 
 
-def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
-    """Token ids every vocabulary here has (bytes and early merges), varied so prompts share no prefix."""
-    return [(seed * 7919 + i * 104729) % (min(vocab, 400) - 10) + 10 for i in range(length)]
+def prompt_ids(seed: str, length: int, vocab: int) -> list[int]:
+    """Token ids every vocabulary here has (bytes and early merges), random per seed: prompts of different
+    seeds share no prefix, so the engines' prefix caches never shorten a measured prefill."""
+    draw = random.Random(seed)
+    return [draw.randrange(10, min(vocab, 400)) for _ in range(length)]
 
 
 def completion(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -419,13 +422,15 @@ async def measure_migrations(
                     b.restart_llumlet("--migration-transport", transport),
                 )
             # Not measured: the first migration and prefill of an engine pay one-off initialisation.
-            await migrated_tokens(a, b, f"warmup-{transport}", prompt_ids(999, plan.lengths[0], vocab), plan)
-            for index, length in enumerate(plan.lengths):
-                prompt = prompt_ids(index, length - plan.decode_before, vocab)
+            await migrated_tokens(
+                a, b, f"warmup-{transport}", prompt_ids(f"warm-up {transport}", plan.lengths[0], vocab), plan
+            )
+            for length in plan.lengths:
+                prompt = prompt_ids(f"migrate {transport} {length}", length - plan.decode_before, vocab)
                 reference = await reference_tokens(a, f"ref-{transport}-{length}", prompt, plan.compared)
                 result, moved = await migrated_tokens(a, b, f"mig-{transport}-{length}", prompt, plan)
                 recompute_ms = await time_to_first_token_ms(
-                    session, b.pair.engine_url, prompt_ids(index + 500, length, vocab)
+                    session, b.pair.engine_url, prompt_ids(f"recompute {transport} {length}", length, vocab)
                 )
                 first_difference = next(
                     (i for i, (x, y) in enumerate(zip(moved, reference, strict=False)) if x != y), None
@@ -455,7 +460,7 @@ async def measure_migrations(
 # ---- phase 4: router against direct -------------------------------------------------------------------
 
 
-async def closed_loop(urls: list[str], plan: Plan, vocab: int) -> dict[str, float]:
+async def closed_loop(urls: list[str], plan: Plan, vocab: int, path: str) -> dict[str, float]:
     """`plan.router_concurrency` clients sending `plan.router_requests` requests round-robin over `urls`."""
     queue = list(range(plan.router_requests))
     ttft: list[float] = []
@@ -463,7 +468,7 @@ async def closed_loop(urls: list[str], plan: Plan, vocab: int) -> dict[str, floa
     async def client(session: aiohttp.ClientSession) -> None:
         while queue:
             index = queue.pop()
-            body = completion(prompt_ids(10_000 + index, plan.router_prompt, vocab), plan.router_output)
+            body = completion(prompt_ids(f"{path} {index}", plan.router_prompt, vocab), plan.router_output)
             started = time.perf_counter()
             times = await stream_times(session, urls[index % len(urls)], body)
             if times:
@@ -509,8 +514,9 @@ async def measure_router(a: Node, b: Node, plan: Plan, vocab: int, work: Path, i
         work,
     )
     try:
-        into["direct"] = await closed_loop([a.pair.engine_url, b.pair.engine_url], plan, vocab)
-        into["router"] = await closed_loop([f"http://127.0.0.1:{port}"], plan, vocab)
+        # Prompts of their own per path: neither finds the other's in a prefix cache.
+        into["direct"] = await closed_loop([a.pair.engine_url, b.pair.engine_url], plan, vocab, "direct")
+        into["router"] = await closed_loop([f"http://127.0.0.1:{port}"], plan, vocab, "router")
         into["router_to_direct"] = round(
             into["router"]["output_tokens_per_s"] / into["direct"]["output_tokens_per_s"], 3
         )
@@ -548,10 +554,10 @@ async def measure_profile(node: Node, plan: Plan, vocab: int, into: dict[str, An
     into.setdefault("decode", [])
     # No connection limit: a batch is that many concurrent streams.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await time_to_first_token_ms(session, url, prompt_ids(77, 16, vocab))  # warm-up
-        for index, tokens in enumerate(plan.prefill_tokens):
+        await time_to_first_token_ms(session, url, prompt_ids("profile warm-up", 16, vocab))  # warm-up
+        for tokens in plan.prefill_tokens:
             ms = [
-                await time_to_first_token_ms(session, url, prompt_ids(20_000 + 10 * index + i, tokens, vocab))
+                await time_to_first_token_ms(session, url, prompt_ids(f"prefill {tokens} {i}", tokens, vocab))
                 for i in range(PREFILL_REPEATS)
             ]
             into["prefill"].append({"tokens": tokens, "seconds": round(statistics.median(ms) / 1e3, 5)})
@@ -559,7 +565,9 @@ async def measure_profile(node: Node, plan: Plan, vocab: int, into: dict[str, An
             for total in plan.context_totals:
                 per_sequence, fitted = decode_cell(batch, total, plan)
                 bodies = [
-                    completion(prompt_ids(30_000 + 97 * batch + i, per_sequence, vocab), plan.decode_steps)
+                    completion(
+                        prompt_ids(f"decode {batch} {total} {i}", per_sequence, vocab), plan.decode_steps
+                    )
                     for i in range(batch)
                 ]
                 streams = await asyncio.gather(*(stream_times(session, url, body) for body in bodies))
