@@ -82,7 +82,7 @@ class Cluster:
                 trace_high_priority=t.high_priority,
                 high_priority=t.high_priority and system.priorities,
                 block_hashes=block_hashes(request_token_ids(t), profile.block_size)
-                if t.segments and config.prefix_caching else (),
+                if t.segments and config.prefix_caching else None,
             )
             for t in sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
         ]

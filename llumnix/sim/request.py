@@ -50,7 +50,7 @@ class SimRequest:
         output_tokens: int,
         trace_high_priority: bool = False,
         high_priority: bool = False,
-        block_hashes: Sequence[int] = (),
+        block_hashes: list[int] | None = None,
     ) -> None:
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(f"request {request_id}: prompt and output must be at least one token")
@@ -71,10 +71,10 @@ class SimRequest:
         self.cached_tokens = 0
         """Tokens whose KV arrives with the request (a live migration's staged KV): its first prefill
         skips them."""
-        self.block_hashes = block_hashes
+        self.block_hashes = block_hashes if block_hashes is not None else []
         """Content hashes of the full blocks of its tokens as far as they are known (prompt, and
-        output where the trace fixes it; `llumnix.prefix_cache`); empty: content no other request
-        shares."""
+        output where the trace fixes it or as it is generated; `llumnix.prefix_cache`); empty:
+        content no other request shares."""
         self.held_hashes: Sequence[int] = ()
         """The cached blocks it holds on its instance (a prefix of `block_hashes`)."""
         self.state = WAITING

@@ -38,7 +38,7 @@ async def test_a_migrated_requests_blocks_are_reported_by_its_destination(sim_pa
         body = {"model": "sim", "prompt": PROMPT, "max_tokens": 600, "ignore_eos": True}
         call = llumlet_pb2_grpc.LlumletStub(channel).Generate(pb.GenerateRequest(
             request_id="moving", endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))
-        await call.read()  # the first chunk: it runs on A
+        first = await call.read()  # the first chunk: it runs on A
         await wait_until(lambda: index.cached_blocks(hashes) == {"prefix-mig-0": 4},
                          "A's report of the request's prompt blocks")
         result = await migration_pb2_grpc.LlumletMigrationStub(channel).MigrateOut(mpb.MigrateOutRequest(
@@ -48,6 +48,15 @@ async def test_a_migrated_requests_blocks_are_reported_by_its_destination(sim_pa
         assert result.migrated_tokens > len(PROMPT) + 16  # a generated block moved too
         await wait_until(lambda: index.cached_blocks(hashes) == {"prefix-mig-0": 4, "prefix-mig-1": 4},
                          "B's report of the migrated request's blocks (and A's of its freed ones)")
-        call.cancel()
+        generated = list(first.chunk.token_ids)
+        async for message in call:  # what A generated, up to the move
+            if message.HasField("moved"):
+                break
+            generated += message.chunk.token_ids
+        moved = block_hashes([*PROMPT, *generated], 16)
+        assert len(moved) > 4
+        # B holds the generated blocks too (the request's prompt there is its tokens so far).
+        await wait_until(lambda: index.cached_blocks(moved).get("prefix-mig-1", 0) == len(moved),
+                         "B's report of the generated blocks it received")
     finally:
         await channel.close()
