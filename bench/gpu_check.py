@@ -63,6 +63,7 @@ from llumnix.tiny_model import (
 )
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import migration_pb2 as mpb
+from llumnix.vllm_support import UnsupportedVllmError, check_vllm_version
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench"
@@ -659,9 +660,20 @@ def engine_facts(plan: Plan, pair: EnginePair, vocab: int) -> dict[str, Any]:
 
 
 def environment(plan: Plan) -> dict[str, Any]:
+    """The machine and its vLLM; exits at once, saying why, where no supported vLLM is installed."""
     import torch
-    import vllm
 
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit(
+            "gpu_check: vLLM is not installed (pip install -e '.[gpu]', or '.[cpu]' for --cpu); "
+            "bench/kv_channel_gpu.py measures the KV channel on a GPU without it"
+        ) from None
+    try:
+        check_vllm_version(vllm.__version__)
+    except UnsupportedVllmError as exc:
+        raise SystemExit(f"gpu_check: {exc}") from None
     gpus = torch.cuda.device_count() if plan.device == "gpu" else 0
     return {
         "mode": "GPU" if plan.device == "gpu" else "CPU dry run (tiny model)",

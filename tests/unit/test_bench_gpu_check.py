@@ -204,3 +204,11 @@ def test_the_report_tells_phases_migrations_and_profile(gpu_check: ModuleType, t
     assert "- nccl: skipped: CPU engines" in text and "## Latency profile" in text
     assert json.loads((tmp_path / "gpu_check_profile.json").read_text())["kind"] == "measured"
     assert json.loads((tmp_path / "gpu_check.json").read_text())["migrations"][0]["equal"] is True
+
+
+def test_without_vllm_it_stops_at_once_and_names_the_vllm_free_check(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(SystemExit, match=r"vLLM is not installed.*kv_channel_gpu\.py"):
+        gpu_check.environment(gpu_check.GPU_PLAN)
