@@ -21,6 +21,7 @@ from llumnix_operator.metrics import OPERATOR_METRICS, PREFIX
 G, V, P, NS = "llumnix.io", "v1alpha1", "llmservices", "default"
 OWNED = (
     "pods",
+    "secrets",
     "services",
     "deployments",
     "serviceaccounts",
@@ -138,6 +139,8 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
             == {"llama-llumnix"}
         )
         assert set(owned["poddisruptionbudgets"]) == {"llama-engine", "llama-router"}
+        assert set(owned["secrets"]) == {"llama-llumlet-token"}  # the llumlets' service token
+        token = owned["secrets"]["llama-llumlet-token"]["data"]["token"]
         for plural, objects in owned.items():
             for name, obj in objects.items():
                 refs = obj["metadata"].get("ownerReferences") or []
@@ -246,4 +249,5 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
     assert [w for w in after if w[1] in OWNED or w[3] == "status"] == [], (
         "a restarted operator changed things"
     )
+    assert cluster.emulator.live("secrets")["llama-llumlet-token"]["data"]["token"] == token  # not rotated
     assert set(engine_pods(cluster)) == pods_before
