@@ -17,12 +17,13 @@ import functools
 import json
 import os
 import resource
+import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import grpc
@@ -41,6 +42,7 @@ from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import llumlet_pb2_grpc
 from llumnix.v1 import migration_pb2 as mpb
 
+T = TypeVar("T")
 RUNTIMES = ("sim", "vllm-cpu")
 MODELS = {"sim": "sim", "vllm-cpu": "tiny"}
 Expected = tuple[list[int], str]
@@ -377,6 +379,18 @@ def client_session(connections: int = 0) -> aiohttp.ClientSession:
     own deadline)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
                                  timeout=aiohttp.ClientTimeout(total=None))
+
+
+def run_cleanly(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, with SIGTERM taken as Ctrl-C is: `main` is cancelled, so its `finally`
+    stops every process the run started instead of leaving them behind."""
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main
+
+    return asyncio.run(guarded())
 
 
 def nice_self(increment: int) -> None:

@@ -51,6 +51,7 @@ from bench_service import (
     migration_outcome,
     nice_self,
     raise_fd_limit,
+    run_cleanly,
     sim_expected,
     stream_completion,
 )
@@ -524,7 +525,7 @@ def main() -> int:
     raise_fd_limit()
     with contextlib.ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-")))
-        result = asyncio.run(chaos(args, work.resolve()))
+        result = run_cleanly(chaos(args, work.resolve()))
     print_summary(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))

@@ -43,6 +43,7 @@ from bench_service import (
     nice_self,
     raise_fd_limit,
     rss_mib,
+    run_cleanly,
     sim_expected,
     stream_completion,
 )
@@ -291,7 +292,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="load-")))
         run = streams if args.mode == "streams" else soak
-        result = asyncio.run(run(args, work.resolve()))
+        result = run_cleanly(run(args, work.resolve()))
     (print_streams if args.mode == "streams" else print_soak)(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
