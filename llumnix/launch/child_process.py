@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -46,6 +45,13 @@ class ChildCommand:
     cwd: Path | None = None
     nice: int = 0
     """Niceness increment, applied before exec so that the child's own children inherit it."""
+
+    def launch_argv(self) -> list[str]:
+        """What is executed: `argv`, under `nice` when there is an increment. No Python may run between
+        fork and exec (a `preexec_fn`): in a parent with gRPC threads (the control loop's), gRPC's fork
+        handlers crash the child with SIGSEGV before it ever starts."""
+        argv = [str(arg) for arg in self.argv]
+        return ["nice", "-n", str(self.nice), *argv] if self.nice else argv
 
 
 class ChildProcess:
@@ -84,14 +90,13 @@ class ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._popen = subprocess.Popen(
-                command.argv,
+                command.launch_argv(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **command.env},
                 cwd=command.cwd,
                 start_new_session=True,
-                preexec_fn=functools.partial(os.nice, command.nice) if command.nice else None,
             )
 
     async def wait_healthy(self, timeout_s: float) -> None:

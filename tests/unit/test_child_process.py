@@ -2,6 +2,7 @@
 answers 200, optionally ignoring SIGTERM or forking a grandchild into its process group."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -10,10 +11,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import grpc
 import pytest
+from waiting import wait_until
 
 from llumnix.launch.child_process import ChildCommand, ChildProcess, ChildStartError
 from llumnix.launch.pair import free_port
+from llumnix.v1 import llumlet_pb2 as pb
+from llumnix.v1 import llumlet_pb2_grpc
 
 HEALTH_SERVER = """
 import http.server, signal, subprocess, sys
@@ -141,3 +146,36 @@ async def test_one_spawn_per_object_and_no_wait_before_it(make_child: ChildFacto
     child.spawn(server_command(child))
     with pytest.raises(RuntimeError, match="already started"):
         child.spawn(server_command(child))
+
+
+async def test_niced_children_start_while_this_process_is_busy_with_grpc(make_child: ChildFactory):
+    """Local mode starts CPU engines (niced) beside the control loop's gRPC streams. A child that ran
+    Python between fork and exec (a preexec_fn) was crashed there by gRPC's fork handlers (SIGSEGV in
+    about one start in four); `nice` runs nothing of Python before the exec."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = llumlet_pb2_grpc.LlumletStub(channel)
+    busy = True
+
+    async def call_while_busy() -> None:
+        while busy:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # UNIMPLEMENTED: a call is what counts
+                await stub.GetLoad(pb.GetLoadRequest())
+
+    callers = [asyncio.create_task(call_while_busy()) for _ in range(4)]
+    try:
+        codes = []
+        for _ in range(30):
+            child = make_child()
+            niced = f"import os; assert os.nice(0) == {os.nice(0) + 1}"
+            child.spawn(ChildCommand((sys.executable, "-c", niced), nice=1))
+            await wait_until(lambda child=child: child.returncode is not None, f"{child.name} to exit")
+            codes.append(child.returncode)
+        assert codes == [0] * 30
+    finally:
+        busy = False
+        await asyncio.gather(*callers)
+        await channel.close()
+        await server.stop(None)
