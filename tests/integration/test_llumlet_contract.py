@@ -14,7 +14,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -129,6 +129,27 @@ async def _generate(pair: EnginePair, body: dict[str, Any], request_id: str,
         return tokens
 
 
+async def _wait_for_load(pair: EnginePair, condition: Callable[[pb.InstanceLoad], bool], timeout_s: float,
+                         what: str, requests: Sequence[asyncio.Task[Any]] = ()) -> pb.InstanceLoad:
+    """The first load of `pair` for which `condition` holds. Fails at once if one of `requests` ends
+    first (with its error, if it failed), and on timeout with the last load seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await _load(pair)
+        if condition(load):
+            return load
+        for request in requests:
+            if request.done():
+                raise AssertionError(f"a request ended before {what}: {request.result()!r:.200}")
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s} s waiting for {what}; last load: source "
+                f"{pb.LoadSource.Name(load.source)}, {len(load.running)} running, "
+                f"{len(load.waiting)} waiting, {load.free_blocks}/{load.total_blocks} blocks free, "
+                f"snapshot {load.snapshot_age_s:.1f} s old")
+        await asyncio.sleep(0.05)
+
+
 async def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -145,7 +166,7 @@ async def test_reported_blocks_match_the_engines_own_metrics(pairs: Pairs) -> No
         for pair in (pairs.a, pairs.b):
             running = asyncio.create_task(_complete(session, pair.llumlet.http_url,
                                                     _body(pair, _prompt(1, 300), 400, stream=True)))
-            load = await _wait_for(lambda p=pair: _running_load(p), 60, "a running request in the load")
+            load = await _wait_for_load(pair, _running, 60, "a running request in the load", [running])
             metrics = await _engine_metrics(session, pair)
             assert load.source == pb.LOAD_SOURCE_CONNECTOR
             assert abs(load.total_blocks - metrics.total_blocks) <= 1
@@ -154,42 +175,35 @@ async def test_reported_blocks_match_the_engines_own_metrics(pairs: Pairs) -> No
             assert load.total_blocks - load.free_blocks >= blocks_for_tokens(300, load.block_size)
             running.cancel()  # the client goes away: the llumlet aborts the request on the engine
             await asyncio.gather(running, return_exceptions=True)
-            await _wait_for(lambda p=pair: _idle_load(p), 30, "the abandoned request to leave")
+            await _wait_for_load(pair, _idle, 30, "the abandoned request to leave")
 
 
-async def _running_load(pair: EnginePair) -> pb.InstanceLoad | None:
-    load = await _load(pair)
-    return load if load.running and load.running[0].output_tokens > 0 else None
+def _running(load: pb.InstanceLoad) -> bool:
+    return bool(load.running) and load.running[0].output_tokens > 0
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_freeness_falls_with_admitted_requests_and_recovers_when_they_finish(pairs: Pairs) -> None:
     pair = pairs.a
-    idle = await _wait_for(lambda: _idle_load(pair), 30, "an idle instance")
+    idle = await _wait_for_load(pair, _idle, 30, "an idle instance")
     async with aiohttp.ClientSession() as session:
         requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
                                                   _body(pair, _prompt(i, 200), 60, stream=True)))
                     for i in range(4)]
-        busy = await _wait_for(lambda: _load_with(pair, lambda load: len(load.running) == 4), 180,
-                               "four running requests")
+        busy = await _wait_for_load(pair, lambda load: len(load.running) == 4, 180, "four running requests",
+                                    requests)
         assert busy.freeness < idle.freeness
         assert busy.free_blocks < idle.free_blocks
         assert {r.request_id for r in busy.running} == {r.request_id for r in busy.running
                                                         if r.request_id.startswith("llumlet-")}
         await asyncio.gather(*requests)
-    after = await _wait_for(lambda: _idle_load(pair), 30, "the instance to be idle again")
+    after = await _wait_for_load(pair, _idle, 30, "the instance to be idle again")
     assert after.freeness == pytest.approx(idle.freeness)
     assert after.free_blocks == idle.free_blocks
 
 
-async def _idle_load(pair: EnginePair) -> pb.InstanceLoad | None:
-    load = await _load(pair)
-    return load if load.total_blocks and not load.running and not load.waiting else None
-
-
-async def _load_with(pair: EnginePair, condition: Any) -> pb.InstanceLoad | None:
-    load = await _load(pair)
-    return load if condition(load) else None
+def _idle(load: pb.InstanceLoad) -> bool:
+    return bool(load.total_blocks) and not load.running and not load.waiting
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -199,9 +213,9 @@ async def test_queued_requests_raise_virtual_usage_before_they_are_scheduled(pai
         requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
                                                   _body(pair, _prompt(50 + i, 160), 40, stream=True)))
                     for i in range(4)]
-        queued = await _wait_for(
-            lambda: _load_with(pair, lambda load: len(load.running) == 2 and load.waiting),
-            180, "two running and some queued requests")  # 60 s ran out beside a CPU-bound CI run
+        queued = await _wait_for_load(  # 60 s ran out beside a CPU-bound CI run
+            pair, lambda load: len(load.running) == 2 and bool(load.waiting), 180,
+            "two running and some queued requests", requests)
         used = queued.total_blocks - queued.free_blocks
         head_of_line = blocks_for_tokens(queued.waiting[0].prompt_tokens, queued.block_size)
         assert queued.waiting[0].blocks == 0
@@ -344,7 +358,7 @@ async def test_abort_ends_a_running_generate(pairs: Pairs) -> None:
         assert finish == "abort"
         assert tokens < 800
         assert not (await stub.Abort(pb.AbortRequest(request_id="to-abort"))).aborted
-    await _wait_for(lambda: _idle_load(pair), 30, "the aborted request to leave the engine")
+    await _wait_for_load(pair, _idle, 30, "the aborted request to leave the engine")
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -353,10 +367,10 @@ async def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(pairs: Pai
     async with aiohttp.ClientSession() as session:
         running = asyncio.create_task(_complete(session, pair.llumlet.http_url,
                                                 _body(pair, _prompt(3, 32), 80, stream=True)))
-        await _wait_for(lambda: _running_load(pair), 30, "the request to run")
+        await _wait_for_load(pair, _running, 30, "the request to run")
         pair.llumlet.signal(signal.SIGTERM)
         # Shutting down, it reports itself draining: from then on it refuses new requests.
-        await _wait_for(lambda: _load_with(pair, lambda load: load.draining), 30, "the llumlet to drain")
+        await _wait_for_load(pair, lambda load: load.draining, 30, "the llumlet to drain")
         async with session.post(pair.llumlet.http_url + "/v1/completions",
                                 json=_body(pair, [1, 2, 3], 4)) as response:
             assert response.status == 503
@@ -371,8 +385,8 @@ async def test_engine_death_makes_the_llumlet_unhealthy_and_fails_in_flight_requ
         http_request = asyncio.create_task(_complete(session, pair.llumlet.http_url,
                                                      _body(pair, _prompt(4, 32), 900, stream=True)))
         grpc_request = asyncio.create_task(_generate(pair, _body(pair, _prompt(5, 32), 900), "doomed"))
-        await _wait_for(lambda: _load_with(pair, lambda load: len(load.running) == 2), 30,
-                        "both requests to run")
+        await _wait_for_load(pair, lambda load: len(load.running) == 2, 30, "both requests to run",
+                             [http_request, grpc_request])
         killed_at = time.monotonic()
         pair.kill_engine()
         with pytest.raises(RequestFailedError) as failed:
