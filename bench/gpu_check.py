@@ -528,6 +528,38 @@ async def measure_router(a: Node, b: Node, plan: Plan, vocab: int, work: Path, i
 # ---- phase 5: latency profile -------------------------------------------------------------------------
 
 
+async def batch_streams(
+    session: aiohttp.ClientSession, url: str, bodies: list[dict[str, Any]], steps: int
+) -> list[list[float]]:
+    """Token arrival times of concurrent streams, each read until it has `steps` tokens after the moment
+    every stream had its first one, then closed (which aborts its request): a window in which the whole
+    batch decodes, however slowly the requests were admitted."""
+    begun = 0
+    together = asyncio.Event()
+
+    async def one(body: dict[str, Any]) -> list[float]:
+        nonlocal begun
+        times: list[float] = []
+        since = 0
+        async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as response:
+            if response.status != 200:
+                raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:500]}")
+            async for line in response.content:
+                if not (line.startswith(b"data: ") and b'"text"' in line):
+                    continue
+                times.append(time.perf_counter())
+                if len(times) == 1:
+                    begun += 1
+                    if begun == len(bodies):
+                        together.set()
+                since += together.is_set()
+                if since > steps:
+                    break
+        return times
+
+    return list(await asyncio.gather(*(one(body) for body in bodies)))
+
+
 def decode_step_s(streams: list[list[float]]) -> float:
     """Mean step time while every stream of a batch decodes: from the last stream's first token to the first
     stream's last, divided by the steps one stream took in between (the median stream)."""
@@ -565,13 +597,15 @@ async def measure_profile(node: Node, plan: Plan, vocab: int, into: dict[str, An
         for batch in plan.batch_sizes:
             for total in plan.context_totals:
                 per_sequence, fitted = decode_cell(batch, total, plan)
+                # As long as the context allows: none ends before the whole batch decodes together.
                 bodies = [
                     completion(
-                        prompt_ids(f"decode {batch} {total} {i}", per_sequence, vocab), plan.decode_steps
+                        prompt_ids(f"decode {batch} {total} {i}", per_sequence, vocab),
+                        plan.max_model_len - per_sequence - 1,
                     )
                     for i in range(batch)
                 ]
-                streams = await asyncio.gather(*(stream_times(session, url, body) for body in bodies))
+                streams = await batch_streams(session, url, bodies, plan.decode_steps)
                 into["decode"].append(
                     {
                         "batch_size": batch,

@@ -212,3 +212,37 @@ def test_without_vllm_it_stops_at_once_and_names_the_vllm_free_check(
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(SystemExit, match=r"vLLM is not installed.*kv_channel_gpu\.py"):
         gpu_check.environment(gpu_check.GPU_PLAN)
+
+
+async def test_a_batch_is_read_until_every_stream_decoded_together(gpu_check: ModuleType) -> None:
+    from aiohttp import ClientSession, web
+    from aiohttp.test_utils import TestServer
+
+    # A fake engine admitting its requests one after another: each starts only once the one before it
+    # streamed 3 tokens; every stream goes on until the client closes it.
+    admitted = [asyncio.Event() for _ in range(4)]
+    admitted[0].set()
+    served = 0
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        nonlocal served
+        index = served
+        served += 1
+        await admitted[index].wait()
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for token in range(10_000):
+            await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            if token == 3 and index + 1 < len(admitted):
+                admitted[index + 1].set()
+            await asyncio.sleep(0)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with TestServer(app) as server, ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        streams = await gpu_check.batch_streams(session, url, [{"prompt": [1]}] * 4, steps=5)
+    together = max(s[0] for s in streams)
+    assert all(sum(t >= together for t in s) >= 5 for s in streams)
+    assert streams[0][0] < streams[3][0] and gpu_check.decode_step_s(streams) > 0
