@@ -6,12 +6,21 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
-# Debian's prometheus (the server and promtool) for the monitoring tests, which skip without it.
-# Opt in (it needs apt and root): LLUMNIX_WITH_PROMETHEUS=1 make setup
-if [ "${LLUMNIX_WITH_PROMETHEUS:-0}" = 1 ] && ! command -v promtool >/dev/null; then
-  echo "[setup] installing Debian's prometheus (server + promtool)"
-  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-  $SUDO apt-get install -y --no-install-recommends prometheus
+# Debian's prometheus (the server and promtool): tests/integration/test_monitoring_live.py scrapes a
+# running service with it and tests/unit/test_monitoring.py runs promtool; both skip without it.
+# Installed when missing and apt-get can run (root or passwordless sudo); LLUMNIX_WITH_PROMETHEUS=0 skips it.
+if [ "${LLUMNIX_WITH_PROMETHEUS:-1}" != 0 ] && ! { command -v prometheus && command -v promtool; } >/dev/null; then
+  if ! command -v apt-get >/dev/null; then
+    echo "[setup] prometheus not installed and no apt-get here: the tests that need it skip"
+  elif [ "$(id -u)" != 0 ] && ! sudo -n true 2>/dev/null; then
+    echo "[setup] prometheus not installed (apt-get needs root or passwordless sudo): the tests that need it skip"
+  else
+    echo "[setup] installing Debian's prometheus (server + promtool)"
+    SUDO=$([ "$(id -u)" = 0 ] || echo "sudo -n")
+    apt_install=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus)
+    "${apt_install[@]}" >/dev/null || { $SUDO apt-get update -q >/dev/null && "${apt_install[@]}" >/dev/null; } \
+      || echo "[setup] apt-get could not install prometheus: the tests that need it skip"
+  fi
 fi
 
 inputs_hash=$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)

@@ -117,8 +117,8 @@ def test_every_alert_parses_names_exported_metrics_and_has_a_runbook() -> None:
 
 promtool = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
-    promtool is None, reason="promtool not found: Debian's prometheus package provides it "
-    "(LLUMNIX_WITH_PROMETHEUS=1 make setup, see docs/observability.md)")
+    promtool is None, reason="promtool not found: scripts/setup.sh installs Debian's prometheus package "
+    "where apt-get can run as root (see docs/observability.md)")
 
 
 @needs_promtool
