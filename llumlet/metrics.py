@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llumnix.wire import LoadReport
+from llumnix.v1 import migration_pb2 as mpb
+from llumnix.wire import LoadReport, LoadSource
 
 PREFIX = "llumnix_llumlet"
 
@@ -53,9 +54,11 @@ class _LoadCollector(Collector):
             if math.isfinite(value):
                 family.add_metric([self._instance_id], float(value))
             yield family
-        source = GaugeMetricFamily(f"{PREFIX}_load_source", "1 for the source of the current load",
-                                   labels=["instance_id", "source"])
-        source.add_metric([self._instance_id, report.source.value], 1.0)
+        # one series per source (0 or 1), so a panel of the fallback has data while all is well
+        source = GaugeMetricFamily(f"{PREFIX}_load_source", "1 for the source of the current load, 0 "
+                                   "for the other", labels=["instance_id", "source"])
+        for each in LoadSource:
+            source.add_metric([self._instance_id, each.value], float(each is report.source))
         yield source
 
 
@@ -89,6 +92,12 @@ class LlumletMetrics:
             f"{PREFIX}_migration_duration_seconds", "Migrations out, from Propose to their end",
             ["outcome"], registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
+        # Every outcome's series exists from the start: one born at its first migration has no
+        # increase for rate() to show, so an instance's first migration would be missing on dashboards.
+        for outcome in mpb.MigrationOutcome.DESCRIPTOR.values:
+            if outcome.number != mpb.MIGRATION_OUTCOME_UNSPECIFIED:
+                self.migrations.labels("out", outcome.name)
+                self.migration_duration.labels(outcome.name)
         self.registry.register(_LoadCollector(instance_id, current_report))
 
     def exposition(self) -> bytes:

@@ -131,3 +131,21 @@ def test_promtool_checks_the_rules() -> None:
 def test_promtool_unit_tests_the_alerts() -> None:
     result = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_llumlet_series_that_dashboards_rate_exist_before_their_first_event() -> None:
+    """A counter series born at its first event has no increase for rate() to show, so a Prometheus
+    dashboard would miss an instance's first migration of each outcome; and a load-source series that
+    exists only during a fallback leaves its panel empty while all is well."""
+    load = InstanceLoad("engine-0", total_blocks=100, free_blocks=60)
+    metrics = LlumletMetrics("engine-0", lambda: LoadReport(load, 60.0, 40.0, 0.1, LoadSource.CONNECTOR))
+    registry = metrics.registry
+    for outcome in ("MIGRATION_OUTCOME_COMMITTED", "MIGRATION_OUTCOME_ABORTED", "MIGRATION_OUTCOME_REFUSED"):
+        assert registry.get_sample_value("llumnix_llumlet_migrations_total",
+                                          {"role": "out", "outcome": outcome}) == 0
+        assert registry.get_sample_value("llumnix_llumlet_migration_duration_seconds_count",
+                                          {"outcome": outcome}) == 0
+    sources = {source: registry.get_sample_value("llumnix_llumlet_load_source",
+                                                 {"instance_id": "engine-0", "source": source})
+               for source in ("connector", "metrics-fallback")}
+    assert sources == {"connector": 1.0, "metrics-fallback": 0.0}
