@@ -16,7 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llumnix.control.migration_pass import outcome_name
 from llumnix.control.status import ServiceStatus
+from llumnix.v1 import migration_pb2 as mpb
 
 PREFIX = "llumnix_operator"
 SERVICE_LABELS = ["llmservice_namespace", "llmservice"]
@@ -34,6 +36,11 @@ SCALING_DIRECTION = {
 }
 """Direction of each control-loop event that changes the instance set (the event reason is the
 `reason` label)."""
+
+MIGRATION_OUTCOMES = tuple(outcome_name(v.number) for v in mpb.MigrationOutcome.DESCRIPTOR.values
+                           if v.number != mpb.MIGRATION_OUTCOME_UNSPECIFIED)
+"""Outcomes a llumlet answers, exported from the start (at 0): a counter series born at its first
+event has no increase for rate() to show, so a service's first migration would be missing."""
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -72,7 +79,8 @@ class _ServicesCollector(Collector):
             families["draining_instances"].add_metric(labels, sum(1 for i in status.instances if i.draining))
             if status.aggregate_freeness is not None and math.isfinite(status.aggregate_freeness):
                 families["aggregate_freeness"].add_metric(labels, status.aggregate_freeness)
-            for outcome, count in sorted(status.migrations.items()):
+            counts = dict.fromkeys(MIGRATION_OUTCOMES, 0) | status.migrations
+            for outcome, count in sorted(counts.items()):
                 migrations.add_metric([*labels, outcome], count)
         yield from families.values()
         yield migrations
@@ -103,7 +111,11 @@ class OperatorMetrics:
     def publish(self, namespace: str, name: str, status: ServiceStatus | None) -> None:
         """The LLMService's latest status (None: its spec is invalid or not yet acted on)."""
         with self._lock:
+            first = (namespace, name) not in self._snapshots
             self._snapshots[(namespace, name)] = status
+        if first:  # every reason's series from the start, at 0, so rate() shows the first event
+            for reason, direction in SCALING_DIRECTION.items():
+                self.scaling_events.labels(namespace, name, direction, reason)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ from llumnix.control.status import InstanceStatus, ServiceStatus
 from llumnix_operator import cli, handlers
 from llumnix_operator.http_endpoint import OperatorEndpoint
 from llumnix_operator.logs import OperatorJsonFormatter, service_context
-from llumnix_operator.metrics import OperatorMetrics
+from llumnix_operator.metrics import SCALING_DIRECTION, OperatorMetrics
 
 SERVICE = {"llmservice_namespace": "prod", "llmservice": "llama"}
 
@@ -59,10 +59,12 @@ def test_each_llmservice_reports_desired_ready_serving_and_its_aggregate_freenes
     assert found["llumnix_operator_draining_instances"] == [(SERVICE, 1.0)]
     assert found["llumnix_operator_aggregate_freeness"] == [(SERVICE, 12.5)]
     assert found["llumnix_operator_spec_valid"] == [(SERVICE, 1.0)]
-    assert sorted(found["llumnix_operator_migrations_total"], key=lambda s: s[0]["outcome"]) == [
-        ({**SERVICE, "outcome": "aborted"}, 1.0),
-        ({**SERVICE, "outcome": "committed"}, 4.0),
-    ]
+    migrations = {labels["outcome"]: value for labels, value in found["llumnix_operator_migrations_total"]}
+    # every outcome from the start (rate() of a series born at its first event shows nothing)
+    assert migrations == {"committed": 4.0, "aborted": 1.0, "refused": 0.0, "no_candidate": 0.0, "busy": 0.0,
+                          "finished_on_source": 0.0, "resumed_on_source": 0.0}
+    scaling = {labels["reason"]: value for labels, value in found["llumnix_operator_scaling_events_total"]}
+    assert scaling == dict.fromkeys(SCALING_DIRECTION, 0.0)
     for name, series in found.items():
         for labels, value in series:
             assert "instance" not in labels and "namespace" not in labels, name
