@@ -199,7 +199,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                               len(tally.results))
 
             clients = [asyncio.create_task(client(i)) for i in range(args.concurrency)]
-            mover = asyncio.create_task(migrate())
+            movers = [asyncio.create_task(migrate())] if args.migrate_every else []
             with tqdm(total=int(args.duration), desc="soak", unit="s", file=sys.stderr,
                       disable=args.quiet) as bar:
                 while (now := time.monotonic() - started) < args.duration:
@@ -210,8 +210,7 @@ async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     await asyncio.sleep(min(args.sample_every, max(0.0, args.duration - now)))
             samples.append(sample())
             running = False
-            await asyncio.gather(*clients)
-            await mover
+            await asyncio.gather(*clients, *movers)
         finally:
             await service.close()
     figures = tally.figures()
@@ -280,7 +279,8 @@ def main() -> int:
         else:
             mode.add_argument("--duration", type=float, default=600.0, help="seconds (default: %(default)s)")
             mode.add_argument("--concurrency", type=int, default=32, help="default: %(default)s")
-            mode.add_argument("--migrate-every", type=float, default=2.0, help="default: %(default)s")
+            mode.add_argument("--migrate-every", type=float, default=2.0,
+                              help="seconds between migrations, 0: none (default: %(default)s)")
             mode.add_argument("--sample-every", type=float, default=10.0, help="default: %(default)s")
             mode.add_argument("--warmup", type=float, default=60.0, help="default: %(default)s")
             mode.add_argument("--window", type=int, default=3, help="default: %(default)s")
