@@ -240,8 +240,9 @@ def print_streams(result: dict[str, Any]) -> None:
 
 def print_soak(result: dict[str, Any]) -> None:
     config = result["config"]
-    print(f"\nsoak: {config['duration']:.0f} s, {config['concurrency']} streams, a migration every "
-          f"{config['migrate_every']:g} s: {result['requests']} requests, {result['errors']} errors "
+    moves = f"a migration every {config['migrate_every']:g} s" if config["migrate_every"] else "no migrations"
+    print(f"\nsoak: {config['duration']:.0f} s, {config['concurrency']} streams, {moves}: "
+          f"{result['requests']} requests, {result['errors']} errors "
           f"{result['errors_by_kind'] or ''}; migrations {result['migrations'] or 'none'}")
     print(f"  TTFT p50 {result['ttft_p50_s']:.3f} s p99 {result['ttft_p99_s']:.3f} s")
     print(f"  RSS growth after {config['warmup']:.0f} s warm-up (mean of {config['window']} samples at "
