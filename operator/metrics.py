@@ -104,6 +104,11 @@ class OperatorMetrics:
                                       "LLMService's instances, by direction (up, down, replace) and reason "
                                       "(the Kubernetes event's)", [*SERVICE_LABELS, "direction", "reason"],
                                       registry=r)
+        # every result and stage at 0 from the start, so rate() shows the first of each
+        for result in ("changed", "unchanged", "invalid_spec", "error"):
+            self.reconciles.labels(result)
+        for stage in ("reconcile", "tick"):
+            self.errors.labels(stage)
         self._snapshots: dict[tuple[str, str], ServiceStatus | None] = {}
         self._lock = threading.Lock()
         r.register(_ServicesCollector(self._snapshots, self._lock))
