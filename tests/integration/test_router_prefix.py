@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
-from prefix_counters import prefix_cache_counters
+from prefix_requests import prefix_cache_counters, time_to_first_token
 from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair
@@ -34,16 +33,8 @@ ENGINE = {"num_blocks": 96, "block_size": BLOCK, "max_model_len": 1400,
 
 async def complete(session: aiohttp.ClientSession, router: Router, prompt: list[int], max_tokens: int
                    ) -> float:
-    """Streams one completion; returns its time to first token."""
-    started = time.monotonic()
-    first = None
-    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-    async with session.post(router.url + "/v1/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for _line in response.content:
-            first = first or time.monotonic()
-    assert first is not None
-    return first - started
+    return await time_to_first_token(session, router.url, {"model": "sim", "prompt": prompt,
+                                                           "max_tokens": max_tokens})
 
 
 async def followers_land(router: Router, pairs: list[EnginePair], seed: int

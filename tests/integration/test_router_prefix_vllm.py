@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import random
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from prefix_counters import prefix_cache_counters
+from prefix_requests import prefix_cache_counters, time_to_first_token
 from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
@@ -55,15 +54,8 @@ async def pairs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 async def ttft(session: aiohttp.ClientSession, router: Router, prompt: list[int]) -> float:
-    started = time.monotonic()
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
-    first = None
-    async with session.post(router.url + "/v1/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for _line in response.content:
-            first = first or time.monotonic()
-    assert first is not None
-    return first - started
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+    return await time_to_first_token(session, router.url, body)
 
 
 async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: list[EnginePair]) -> None:
