@@ -100,7 +100,8 @@ def evaluate(prometheus: str, panel: Panel, start: float, end: float,
     return series
 
 
-def draw(title: str, panels: list[tuple[Panel, list[Series]]], path: Path, start: float) -> None:
+def draw(title: str, panels: list[tuple[Panel, list[Series]]], path: Path, start: float,
+         end: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,6 +111,8 @@ def draw(title: str, panels: list[tuple[Panel, list[Series]]], path: Path, start
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.4 * rows), squeeze=False)
     for ax, (panel, series) in zip(axes.flat, panels, strict=False):
+        if any(one.has_nonzero for one in series):  # as Grafana's legend option "hide zeros"
+            series = [one for one in series if one.has_nonzero]
         for one in sorted(series, key=lambda s: s.legend):
             ax.plot([t - start for t, _ in one.points], [v for _, v in one.points], label=one.legend,
                     linewidth=1.4)
@@ -117,6 +120,7 @@ def draw(title: str, panels: list[tuple[Panel, list[Series]]], path: Path, start
         ax.set_xlabel("seconds into the run", fontsize=8)
         ax.set_ylabel(UNITS.get(panel.unit, panel.unit), fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.set_xlim(0, end - start)
         ax.grid(alpha=0.3)
         if series:
             ax.legend(fontsize=6, loc="best", ncol=2 if len(series) > 6 else 1)
@@ -135,7 +139,7 @@ def render(prometheus: str, start: float, end: float, out: Path, scrape_interval
     written = []
     for stem, (title, panels) in dashboards().items():
         data = [(panel, evaluate(prometheus, panel, start, end, scrape_interval_s)) for panel in panels]
-        draw(title, data, out / f"{stem}.png", start)
+        draw(title, data, out / f"{stem}.png", start, end)
         written.append(out / f"{stem}.png")
     return written
 
