@@ -241,14 +241,43 @@ class MetricsSampler:
         self._thread.join(30)
 
 
+def start_autoscaled_service(cluster: EmulatedCluster, kubelet: Kubelet, name: str) -> str:
+    """Creates an LLMService autoscaled between 1 and 3 sim pods of 64 KV blocks and waits for its first
+    instance and its router; the router's URL."""
+    custom = kubernetes.client.CustomObjectsApi(
+        kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)))
+    custom.create_namespaced_custom_object(G, V, NS, P, {
+        "apiVersion": f"{G}/{V}",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "sim"},
+            "instances": {"min": 1, "max": 3},
+            # 64 blocks of 16 tokens: six 139-token requests nearly fill one instance
+            "engine": {"runtime": "sim", "resources": {"gpus": 0}, "args": ["--num-blocks", "64"]},
+            "migration": {"intervalMs": 200},
+            "autoscaling": {"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 40,
+                            "intervalSeconds": 1, "scaleDownStabilizationSeconds": 3,
+                            "startupGraceSeconds": 120},
+        },
+    })
+
+    def ready() -> int:
+        status = cluster.emulator.live("llmservices").get(name, {}).get("status") or {}
+        return (status.get("instances") or {}).get("ready", 0)
+
+    wait_for(lambda: ready() == 1, 120, "the first instance")
+    wait_for(lambda: f"{name}-router" in kubelet.routers, 30, "the router")
+    url = kubelet.router_url(f"{name}-router", 8000)
+    wait_for(lambda: _healthy(url), 60, "the router's /health")
+    return url
+
+
 def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
     """Built-in autoscaling: a load spike drops the aggregate freeness below scaleUpBelow and the
     operator creates pods (publishing spec.replicas); when the load falls the aggregate freeness with
     one instance removed exceeds scaleDownAbove, and the freest pod is drained and deleted. No client
     request fails; status, events and the operator's metrics show each step."""
-    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url))
-    custom = kubernetes.client.CustomObjectsApi(api)
-
     def live() -> dict:
         return cluster.emulator.live("llmservices").get("auto", {})
 
@@ -266,25 +295,7 @@ def test_pods_autoscaled_by_freeness(cluster: EmulatedCluster) -> None:
 
     replicas_seen: list[int] = []
     with operator_and_kubelet(cluster) as (kubelet, runner):
-        custom.create_namespaced_custom_object(G, V, NS, P, {
-            "apiVersion": f"{G}/{V}",
-            "kind": "LLMService",
-            "metadata": {"name": "auto"},
-            "spec": {
-                "model": {"name": "sim"},
-                "instances": {"min": 1, "max": 3},
-                # 64 blocks of 16 tokens: six 139-token requests nearly fill one instance
-                "engine": {"runtime": "sim", "resources": {"gpus": 0}, "args": ["--num-blocks", "64"]},
-                "migration": {"intervalMs": 200},
-                "autoscaling": {"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 40,
-                                "intervalSeconds": 1, "scaleDownStabilizationSeconds": 3,
-                                "startupGraceSeconds": 120},
-            },
-        })
-        wait_for(lambda: ready() == 1, 120, "the first instance")
-        wait_for(lambda: "auto-router" in kubelet.routers, 30, "the router")
-        url = kubelet.router_url("auto-router", 8000)
-        wait_for(lambda: _healthy(url), 60, "the router's /health")
+        url = start_autoscaled_service(cluster, kubelet, "auto")
 
         with MetricsSampler(kubelet, url) as sampler, Load(url, clients=8) as load:
             def scaled_up() -> bool:

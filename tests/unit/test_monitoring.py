@@ -4,17 +4,16 @@ promtool accepts and unit-tests the rules, and the chart renders the monitoring 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from script_module import load_script
 
 from llumlet.metrics import LlumletMetrics
 from llumnix.control.status import InstanceStatus, ServiceStatus
@@ -31,14 +30,6 @@ RULES = CHART / "alerts/llumnix-alerts.yaml"
 RULE_TESTS = ROOT / "tests/monitoring/llumnix-alerts.test.yaml"
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
             "gauge": ("",)}
-
-
-def load_gen_dashboards():
-    spec = importlib.util.spec_from_file_location("gen_dashboards", ROOT / "scripts/gen_dashboards.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gen_dashboards"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def series_names(registry: CollectorRegistry) -> set[str]:
@@ -82,7 +73,7 @@ def alert_rules() -> list[dict]:
 
 
 def test_checked_in_dashboards_are_current() -> None:
-    rendered = load_gen_dashboards().render()
+    rendered = load_script("gen_dashboards").render()
     on_disk = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
     assert on_disk == rendered, "run: .venv/bin/python scripts/gen_dashboards.py"
     assert set(rendered) == {"service.json", "instances.json", "migrations.json", "operator.json"}
