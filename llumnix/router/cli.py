@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-weight", type=float,
                         help="llumnix policy: preference for an instance holding a token-id prompt's prefix "
                         f"in its cache, 0: ignore caches (default {DEFAULT_PREFIX_WEIGHT})")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="the model's tokenizer (a local folder), so that text and chat prompts are "
+                        "looked up in the instances' prefix caches too (default: token-id prompts only)")
     parser.add_argument("--high-priority-target-tokens", type=int,
                         help=f"load model: load kept on instances with high-priority requests "
                         f"(default {DEFAULT_HIGH_PRIORITY_TARGET_TOKENS})")
@@ -129,6 +132,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         busy_freeness=float(_first(args.busy_freeness, dispatch.busy_freeness)),
         top_k=_first(args.top_k, dispatch.top_k),
         prefix_weight=float(_first(args.prefix_weight, dispatch.prefix_weight)),
+        tokenizer=args.tokenizer,
         load_model=LoadModelConfig(_first(args.high_priority_target_tokens, priorities.target_load_tokens)),
         queue_capacity=args.queue_size,
         queue_timeout_s=args.queue_timeout,

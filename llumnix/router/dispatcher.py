@@ -18,15 +18,18 @@ from llumnix.prefix_cache import block_hashes, cacheable_blocks
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.router.prompt_ids import PromptTokens
 
 
 class Dispatcher:
     """Chooses over the policy's ranking of the instances. Every change of an instance's effective
     load updates the ranking as it happens, so a decision reads only the instances that can win."""
 
-    def __init__(self, policy: DispatchPolicy, instances: InstanceSet, metrics: RouterMetrics | None = None
-                 ) -> None:
+    def __init__(self, policy: DispatchPolicy, instances: InstanceSet, metrics: RouterMetrics | None = None,
+                 prompt_ids: PromptTokens | None = None) -> None:
         self.policy = policy
+        self.prompt_ids = prompt_ids or PromptTokens()
+        """A request's prompt token ids (`RequestLoad.prompt_token_ids`), where the router knows them."""
         self.instances = instances
         self.metrics = metrics
         self._ranking = policy.ranking()

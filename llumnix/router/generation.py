@@ -29,7 +29,6 @@ from llumnix.router.dispatcher import DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.metrics import RouterMetrics
-from llumnix.router.prompt_ids import token_id_prompt
 from llumnix.router.serve_session import InstanceStreamDown
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.wire import chunk_from_proto, endpoint_to_proto
@@ -99,7 +98,7 @@ class Generation:
         """The spliced output, in the batches it arrived in (never empty); raises RouterError when the
         request cannot be completed."""
         endpoint, body = self.request.endpoint, self.request.body
-        prompt_ids = token_id_prompt(endpoint, body)  # looked up in the instances' prefix caches
+        prompt_ids = self.queue.dispatcher.prompt_ids(endpoint, body)  # looked up in the prefix caches
         target: Instance | None = None
         attach_id: str | None = None  # after a move: the next call attaches at the destination
         for attempt in range(self.limits.max_attempts):

@@ -1,6 +1,13 @@
-"""The token ids of a request's prompt, where the router knows them without a tokenizer: a
-completion whose prompt is one list of token ids. Prefix-aware dispatch looks these up in the
-instances' prefix caches; text prompts, chat requests and batches are dispatched by load alone."""
+"""The token ids of a request's prompt as the engine will see them, for looking its prefix up in the
+instances' prefix caches.
+
+Without a tokenizer the router knows them only for a completion whose prompt is one list of token
+ids. With the model's tokenizer (`llumnix router --tokenizer PATH`) it also tokenizes a text
+completion (special tokens added, as vLLM's completions do) and a chat whose messages are strings
+(the tokenizer's chat template with the generation prompt, then tokenized without special tokens, as
+vLLM's chat does). Anything else (batches, content parts, tools, a template that fails) gets no ids:
+it is dispatched by load alone.
+"""
 
 from __future__ import annotations
 
@@ -17,3 +24,42 @@ def token_id_prompt(endpoint: EndpointKind, body: dict[str, Any]) -> tuple[int, 
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return tuple(prompt)
     return ()
+
+
+class PromptTokens:
+    """`prompt_tokens(endpoint, body)`: the prompt's token ids, or () where they are not known."""
+
+    def __init__(self, tokenizer: Any | None = None) -> None:
+        self.tokenizer = tokenizer
+        """A Hugging Face tokenizer (duck-typed: `encode`, `apply_chat_template`), or None."""
+
+    @classmethod
+    def load(cls, path: str | None) -> PromptTokens:
+        """The model's tokenizer from a local folder (None: token-id prompts only)."""
+        if path is None:
+            return cls()
+        from transformers import AutoTokenizer  # only a router given a tokenizer needs transformers
+
+        return cls(AutoTokenizer.from_pretrained(path))
+
+    def __call__(self, endpoint: EndpointKind, body: dict[str, Any]) -> tuple[int, ...]:
+        ids = token_id_prompt(endpoint, body)
+        tokenizer = self.tokenizer
+        if ids or tokenizer is None:
+            return ids
+        try:
+            if endpoint is EndpointKind.COMPLETION:
+                prompt = body.get("prompt")
+                return tuple(tokenizer.encode(prompt)) if isinstance(prompt, str) and prompt else ()
+            messages = body.get("messages")
+            if not isinstance(messages, list) or body.get("tools") or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+            ):
+                return ()
+            text = tokenizer.apply_chat_template(
+                [{"role": m.get("role"), "content": m["content"]} for m in messages],
+                add_generation_prompt=True, tokenize=False,
+            )
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+        except Exception:  # a template that cannot render this conversation: dispatch by load
+            return ()

@@ -19,6 +19,7 @@ from llumnix.router.errors import RouterError
 from llumnix.router.instance_source import InstanceSource
 from llumnix.router.instances import InstanceSet
 from llumnix.router.metrics import RouterMetrics
+from llumnix.router.prompt_ids import PromptTokens
 from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumnix.router")
@@ -34,6 +35,9 @@ class RouterConfig:
     busy_freeness: float = DEFAULT_BUSY_FREENESS
     top_k: int = 1
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
+    tokenizer: str | None = None
+    """The model's tokenizer (a local folder): text and chat prompts are looked up in the prefix
+    caches too. None: only prompts given as token ids."""
     load_model: LoadModelConfig = field(default_factory=LoadModelConfig)
     queue_capacity: int = 1024
     queue_timeout_s: float = 60.0
@@ -53,7 +57,8 @@ class Router:
         policy = make_dispatch_policy(config.dispatch_policy, busy_freeness=config.busy_freeness,
                                       top_k=config.top_k, load_model=config.load_model,
                                       prefix_weight=config.prefix_weight)
-        self.dispatcher = Dispatcher(policy, self.instances, self.metrics)
+        self.dispatcher = Dispatcher(policy, self.instances, self.metrics,
+                                     PromptTokens.load(config.tokenizer))
         self.queue = DispatchQueue(self.dispatcher, config.queue_capacity, config.queue_timeout_s,
                                    self.metrics)
         self.api = RouterApi(config.api, self.queue, self.instances, self.metrics,
@@ -87,10 +92,14 @@ class Router:
         logger.info("router started", extra={"port": self.port, "policy": self.config.dispatch_policy,
                                              "api_keys": bool(self.config.api_keys)})
         if self.config.dispatch_policy == "llumnix" and self.config.prefix_weight > 0:
-            # The router has no tokenizer: only prompts given as token ids can be hashed.
-            logger.info("prefix-aware dispatch on for completions whose prompt is token ids; text and "
-                        "chat prompts are dispatched by load alone",
-                        extra={"prefix_weight": self.config.prefix_weight})
+            if self.config.tokenizer is None:  # only prompts given as token ids can be hashed
+                logger.info("prefix-aware dispatch on for completions whose prompt is token ids; text and "
+                            "chat prompts are dispatched by load alone (no --tokenizer)",
+                            extra={"prefix_weight": self.config.prefix_weight})
+            else:
+                logger.info("prefix-aware dispatch on; prompts tokenized with the model's tokenizer",
+                            extra={"prefix_weight": self.config.prefix_weight,
+                                   "tokenizer": self.config.tokenizer})
 
     async def shutdown(self) -> None:
         """Stop accepting (503, /health 503), let in-flight requests finish for up to the grace

@@ -1,9 +1,10 @@
 """Prefix-aware dispatch on two real CPU vLLM engines (tiny model, prefix caching on, KV cache events
 translated by the connector): after one request with a long prompt, requests sharing that prompt's
-prefix all go to the engine that has it cached. Shown by the engines' own counters
-(vllm:prefix_cache_queries / vllm:prefix_cache_hits): the other engine is never asked, the holder
-serves each follower's prefix from its cache. Times to first token are printed (a cache hit skips
-the prefix's prefill); nothing here depends on how fast the engines are."""
+prefix all go to the engine that has it cached: token-id prompts, and text and chat prompts with the
+model's tokenizer in the router (its tokenization names the very blocks the engine reported). Shown by
+the engines' own counters (vllm:prefix_cache_queries / vllm:prefix_cache_hits): the other engine is
+never asked, the holder serves each follower's prefix from its cache. Times to first token are
+printed (a cache hit skips the prefix's prefill); nothing here depends on how fast the engines are."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair, PairConfig
+from llumnix.openai_stream import EndpointKind
 from llumnix.prefix_cache import block_hashes
 from llumnix.router.api import ApiSettings
 from llumnix.router.instance_source import ListInstanceSource
@@ -94,3 +96,53 @@ async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: 
     assert after[other.config.instance_id] == before[other.config.instance_id]  # never asked
     assert queried == 4 * (PREFIX_BLOCKS + 1) * BLOCK
     assert hits == 4 * PREFIX_BLOCKS * BLOCK, (queried, hits)
+
+
+async def test_text_and_chat_prompts_go_where_their_prefix_is_cached_with_the_models_tokenizer(
+        pairs: list[EnginePair], tiny_model_dir: Path) -> None:
+    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
+                          service_token=SERVICE_TOKEN, tokenizer=str(tiny_model_dir))
+    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
+    await router.start()
+    rng = random.Random(1)
+    system = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(160))
+    index = router.instances.prefix_index
+    prompt_ids = router.dispatcher.prompt_ids
+
+    def chat(question: str) -> dict[str, object]:
+        return {"messages": [{"role": "system", "content": system[::-1]},
+                             {"role": "user", "content": question}]}
+
+    try:
+        await wait_until(lambda: len(router.instances.dispatchable()) == 2, "both load streams", 60.0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
+            for endpoint, kind, leader_body, follower in (
+                ("/v1/completions", EndpointKind.COMPLETION, {"prompt": system + " first"},
+                 lambda n: {"prompt": f"{system} question {n}"}),
+                ("/v1/chat/completions", EndpointKind.CHAT, chat("hi"), lambda n: chat(f"question {n}")),
+            ):
+                body = {"model": "tiny", "max_tokens": 2, **leader_body}
+                async with session.post(router.url + endpoint, json=body) as response:
+                    assert response.status == 200, await response.text()
+                # The router's tokenization names the very blocks the engine reported (vLLM's token ids).
+                tokens = prompt_ids(kind, body)
+                hashes = block_hashes(tokens[: (len(tokens) - 1) // BLOCK * BLOCK], BLOCK)
+                assert len(hashes) >= 10
+                await wait_until(lambda h=hashes: len(h) in index.cached_blocks(h).values(),
+                                 f"the router to find the {endpoint} prompt's blocks it tokenized", 60.0)
+                (holder_id,) = (iid for iid, n in index.cached_blocks(hashes).items() if n == len(hashes))
+                before = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url)
+                          for p in pairs}
+                for n in range(3):
+                    body = {"model": "tiny", "max_tokens": 2, **follower(n)}
+                    async with session.post(router.url + endpoint, json=body) as response:
+                        assert response.status == 200, await response.text()
+                after = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url)
+                         for p in pairs}
+                other_id = next(p.config.instance_id for p in pairs if p.config.instance_id != holder_id)
+                assert after[other_id] == before[other_id], endpoint  # never asked
+                hits = after[holder_id][1] - before[holder_id][1]
+                assert hits >= 3 * (len(hashes) - 2) * BLOCK, (endpoint, hits)  # all but the last blocks
+    finally:
+        await router.shutdown()
