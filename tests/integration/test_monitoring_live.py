@@ -77,7 +77,7 @@ class Prometheus:
 
     def __init__(self, work: Path) -> None:
         self.work = work
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = ""
         self._process: subprocess.Popen | None = None
 
     def set_targets(self, job: str, addresses: list[str]) -> None:
@@ -105,22 +105,28 @@ class Prometheus:
             ],
         }
         (self.work / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-        self._process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={self.work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.work / 'data'}", f"--web.listen-address={self.url[7:]}",
-             "--log.level=warn"],
-            stdout=(self.work / "prometheus.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        wait_for(self._ready, 60, "prometheus /-/ready")
-        return self
+        log = self.work / "prometheus.log"
+        for _ in range(3):  # the free port found may be taken by another process before prometheus binds it
+            address = f"127.0.0.1:{free_port()}"
+            self.url = f"http://{address}"
+            self._process = subprocess.Popen(
+                [PROMETHEUS, f"--config.file={self.work / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={self.work / 'data'}", f"--web.listen-address={address}",
+                 "--log.level=warn"],
+                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            if wait_for(self._ready_or_exited, 60, "prometheus /-/ready") == "ready":
+                return self
+        raise AssertionError(f"prometheus did not start: {log.read_text()}")
 
-    def _ready(self) -> bool:
-        assert self._process.poll() is None, (self.work / "prometheus.log").read_text()
+    def _ready_or_exited(self) -> str:
+        if self._process.poll() is not None:
+            return "exited"
         try:
             with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                return response.status == 200
+                return "ready" if response.status == 200 else ""
         except OSError:
-            return False
+            return ""
 
     def __exit__(self, *exc: object) -> None:
         os.killpg(self._process.pid, signal.SIGTERM)
@@ -137,14 +143,14 @@ class LocalService:
     def __init__(self, tmp_path: Path) -> None:
         self.manifest = write_manifest(tmp_path / "local.yaml", instances=2)
         self.work_dir = tmp_path / "local-work"
-        self.router = f"127.0.0.1:{free_port()}"
+        self.router = ""  # host:port, as `llumnix up` prints it
         self.llumlets: list[str] = []
 
     def __enter__(self) -> LocalService:
-        self._process = up(self.manifest, self.work_dir, "--port", self.router.rsplit(":", 1)[1])
-        serving = r"serving 'sim' at http://\S+/v1 .*admin API at (http://\S+) "
+        self._process = up(self.manifest, self.work_dir)  # every port chosen free by llumnix up
+        serving = r"serving 'sim' at http://(\S+)/v1 .*admin API at (http://\S+) "
         match, _ = read_until(self._process, serving, 180)
-        self.admin_url = match.group(1)
+        self.router, self.admin_url = match.group(1), match.group(2)
         # the status line repeats: keep reading, or a full pipe would stall the service
         threading.Thread(target=self._process.stdout.read, daemon=True).start()
         for pid in processes_using(self.work_dir):
