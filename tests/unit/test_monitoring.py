@@ -140,3 +140,20 @@ def test_llumlet_series_that_dashboards_rate_exist_before_their_first_event() ->
                                                  {"instance_id": "engine-0", "source": source})
                for source in ("connector", "metrics-fallback")}
     assert sources == {"connector": 1.0, "metrics-fallback": 0.0}
+
+
+def test_render_dashboards_reads_every_panel_query_and_draws_a_grid(tmp_path: Path) -> None:
+    """scripts/render_dashboards.py (the pictures in docs/observability.md) evaluates exactly the
+    checked-in dashboards' queries, substitutes what Grafana would, and names series as the legends do."""
+    render = load_script("render_dashboards")
+    boards = render.dashboards()
+    targets = [(stem, panel.title, target.expr)
+               for stem, (_, panels) in boards.items() for panel in panels for target in panel.targets]
+    assert targets == dashboard_queries()
+    assert render.grafana_to_promql("rate(x[$__rate_interval])", 1.0) == "rate(x[4000ms])"
+    labels = {"llmservice": "llama", "direction": "up"}
+    assert render.legend("{{llmservice}} {{direction}}", labels) == "llama up"
+    title, panels = boards["migrations"]
+    data = [(panel, [render.Series("p50", ((0.0, 0.1), (1.0, 0.2)))]) for panel in panels]
+    render.draw(title, data, tmp_path / "migrations.png", 0.0, 1.0)
+    assert (tmp_path / "migrations.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
