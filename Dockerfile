@@ -12,8 +12,9 @@ COPY pyproject.toml setup.py README.md /tmp/build/
 COPY llumnix /tmp/build/llumnix
 COPY llumlet /tmp/build/llumlet
 COPY operator /tmp/build/operator
-# kopf and kubernetes (the operator) are pinned as in the dev extra.
-RUN pip install --no-cache-dir /tmp/build kopf==1.45.2 kubernetes==37.0.2 \
+# kopf and kubernetes (the operator) are pinned as in the dev extra; the tokenizer extra is the router's
+# (prefix-aware dispatch of text and chat prompts).
+RUN pip install --no-cache-dir "/tmp/build[tokenizer]" kopf==1.45.2 kubernetes==37.0.2 \
     && rm -rf /tmp/build \
     && (command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python)
 ENV PYTHONSAFEPATH=1

@@ -135,10 +135,14 @@ class LocalService:
         # the router and the control loop present it; it reaches the llumlets in their environment.
         self.token = token = ServiceToken.generate()
         self.backend = LocalProcessBackend(settings, work_dir, model_dir, token=token)
-        max_model_len = pair_config(settings, "check", work_dir, model_dir).max_model_len
+        engine = pair_config(settings, "check", work_dir, model_dir)
         self.source = ListInstanceSource()
-        self.router = Router(replace(router_config(service_file, host, port, max_model_len, dispatch_policy),
-                                     service_token=token), self.source)
+        # The engines' own model folder: the router tokenizes text and chat prompts with it, so that
+        # prefix-aware dispatch looks them up (the sim engine has no model folder).
+        tokenizer = (str(engine.model_dir) if engine.model_dir is not None and engine.model_dir.is_dir()
+                     and settings.spec.dispatch.prefix_weight > 0 else None)
+        config = router_config(service_file, host, port, engine.max_model_len, dispatch_policy)
+        self.router = Router(replace(config, service_token=token, tokenizer=tokenizer), self.source)
         self.loop = ControlLoop(settings, self.backend, on_event=on_event,
                                 connect=functools.partial(LlumletConnection, token=token),
                                 on_addresses=self.source.set_addresses)

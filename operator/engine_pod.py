@@ -130,15 +130,22 @@ def _volumes(source: ModelSource) -> tuple[list[dict], list[dict]]:
         {"name": "llumnix-run", "mountPath": SOCKET_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    if source.pvc:
-        volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc, "readOnly": True}}
-        )
-        mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        if source.sub_path:
-            mount["subPath"] = source.sub_path
-        mounts.append(mount)
+    model = model_volume(source)
+    if model is not None:
+        volumes.append(model[0])
+        mounts.append(model[1])
     return volumes, mounts
+
+
+def model_volume(source: ModelSource) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The model claim as a read-only volume and its mount at MODEL_MOUNT; None without a claim."""
+    if not source.pvc:
+        return None
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.pvc, "readOnly": True}}
+    mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if source.sub_path:
+        mount["subPath"] = source.sub_path
+    return volume, mount
 
 
 def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 from llumnix.service_spec import ServiceSettings
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.container_resources import container_resources
+from llumnix_operator.engine_pod import model_location, model_volume
 from llumnix_operator.llumlet_service import llumlets_dns_name
 from llumnix_operator.naming import (
     LLUMLET_GRPC_PORT,
@@ -58,7 +59,17 @@ def router_args(settings: ServiceSettings) -> list[str]:
     ]
     if spec.router.api_key_secret:
         args += ["--api-keys-file", f"{API_KEYS_DIR}/keys"]
+    if tokenizes_prompts(settings):
+        args += ["--tokenizer", model_location(spec.model)]
     return args
+
+
+def tokenizes_prompts(settings: ServiceSettings) -> bool:
+    """Whether the router reads the model's tokenizer from the model claim (mounted in its pod too),
+    so that prefix-aware dispatch looks text and chat prompts up, not only token ids. A model from a
+    hub id has no folder the router could read; the sim engine has no model at all."""
+    spec = settings.spec
+    return bool(spec.model.source.pvc) and spec.engine.runtime != "sim" and spec.dispatch.prefix_weight > 0
 
 
 def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[str, Any]:
@@ -87,6 +98,10 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
     }
     if config.image_pull_secrets:
         pod_spec["imagePullSecrets"] = config.pull_secrets()
+    model = model_volume(settings.spec.model.source)
+    if model is not None and tokenizes_prompts(settings):
+        pod_spec["volumes"].append(model[0])
+        container["volumeMounts"].append(model[1])
     secret = router.api_key_secret
     if secret:
         container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})

@@ -179,6 +179,22 @@ def test_headless_llumlet_service_selects_ready_engine_pods() -> None:
     assert {"name": "grpc", "port": 50051, "targetPort": "llumlet-grpc"} in svc["spec"]["ports"]
 
 
+def test_router_tokenizes_prompts_from_the_model_claim_for_prefix_dispatch() -> None:
+    claim = {"name": "llama-7b", "path": "llama-2-7b", "source": {"pvc": "models"}}
+    pod = router_deployment(settings(model=claim), CONFIG)["spec"]["template"]["spec"]
+    router = pod["containers"][0]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == "/model/llama-2-7b"
+    claim_volume = {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    assert claim_volume in pod["volumes"]
+    assert {"name": "model", "mountPath": "/model", "readOnly": True} in router["volumeMounts"]
+    # No folder to read (a hub id), no model (sim), or prefix dispatch off: no tokenizer, no claim.
+    for spec in ({}, {"model": claim, "engine": {"runtime": "sim"}},
+                 {"model": claim, "dispatch": {"prefixWeight": 0}}):
+        pod = router_deployment(settings(**spec), CONFIG)["spec"]["template"]["spec"]
+        assert "--tokenizer" not in pod["containers"][0]["args"]
+        assert all(v["name"] != "model" for v in pod["volumes"])
+
+
 def test_router_finds_llumlets_by_dns_and_mounts_api_keys() -> None:
     s = settings(
         router={"replicas": 2, "port": 9000, "serviceType": "LoadBalancer", "apiKeySecret": "keys"},
