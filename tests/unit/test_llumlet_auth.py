@@ -4,7 +4,6 @@ UNAUTHENTICATED without it (or with a wrong one), the OpenAI API answers 401 in 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from waiting import wait_until
 
 from llumlet.__main__ import main as llumlet_main
 from llumlet.server import Llumlet, LlumletConfig
@@ -109,9 +109,7 @@ async def test_the_authenticated_caller_is_served_over_grpc(llumlet: Llumlet) ->
         drained = await connection.set_draining(True)
         assert drained.draining and llumlet.tracker.draining
         connection.start()
-        async with asyncio.timeout(10):
-            while connection.report is None:  # the WatchLoad stream delivered a load
-                await asyncio.sleep(0.02)
+        await wait_until(lambda: connection.report is not None, "a load over the WatchLoad stream", 10)
         assert connection.report.load.draining
     finally:
         await connection.close()
