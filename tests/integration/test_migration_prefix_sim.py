@@ -35,7 +35,8 @@ async def test_a_migrated_requests_blocks_are_reported_by_its_destination(sim_pa
     hashes = block_hashes(PROMPT, 16)
     channel = authenticated_channel(a.grpc_address)
     try:
-        body = {"model": "sim", "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True}  # outlives the waits below
+        # Long enough to outlive the waits before its migration.
+        body = {"model": "sim", "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True}
         call = llumlet_pb2_grpc.LlumletStub(channel).Generate(pb.GenerateRequest(
             request_id="moving", endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))
         first = await call.read()  # the first chunk: it runs on A
