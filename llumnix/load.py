@@ -34,6 +34,9 @@ class RequestLoad:
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
     """A request being dispatched: its prompt's token ids where the router knows them (to look its
     prefix up in the instances' caches); empty otherwise."""
+    prefix_root: int = field(default=0, repr=False, compare=False)
+    """With `prompt_token_ids`: the root its prompt's block hashes chain from (its cache salt and
+    LoRA adapter, `llumnix.prefix_cache.root_hash`; 0 for neither)."""
 
     @property
     def total_tokens(self) -> int:

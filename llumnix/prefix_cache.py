@@ -7,6 +7,13 @@ mean equal prefixes up to and including that block. The hash is 64 bits of BLAKE
 little-endian integers: the same in every process and on every machine (Python's `hash()` is salted
 per process), so an engine, its llumlet, every router replica and the simulator agree on it.
 
+What vLLM folds into its block hashes besides the tokens ("extra keys") is taken in through the
+chain's root (`root_hash`): the request's `cache_salt` (vLLM: in its first block's hash) and LoRA
+adapter (vLLM: in every block's). Either way two sequences that differ in them share no block, and
+that is all a root decides: the first block's hash differs, so every hash chained to it differs.
+Multimodal inputs and prompt embeddings, vLLM's other extra keys, are not hashed: blocks holding
+them are neither reported nor looked up.
+
 `PrefixIndex` answers, for a request's block hashes, how many leading blocks each instance has
 cached (the longest chain match). It is fed with what instances report: blocks stored and removed
 since their previous report, or the whole set on (re)subscription.
@@ -20,9 +27,23 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 ROOT_HASH = 0
-"""The parent of a sequence's first block."""
+"""The parent of a sequence's first block (a request without a cache salt or a LoRA adapter)."""
 
 _TOKEN_DTYPE = np.dtype("<u4")
+
+
+def root_hash(cache_salt: str | None = None, lora_name: str | None = None) -> int:
+    """The parent of the first block of a request with this cache salt and LoRA adapter (the
+    adapter's name, as vLLM's `--lora-modules NAME=PATH` names it); ROOT_HASH for neither. An empty
+    salt is no salt (vLLM's)."""
+    if not cache_salt and lora_name is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(b"llumnix-root", digest_size=8)
+    for key in (cache_salt or None, lora_name):
+        # Length-prefixed, so no two different (salt, adapter) pairs encode alike.
+        encoded = b"" if key is None else key.encode()
+        digest.update((-1 if key is None else len(encoded)).to_bytes(8, "little", signed=True) + encoded)
+    return int.from_bytes(digest.digest(), "little")
 
 
 def block_hash(parent: int, token_ids: Sequence[int] | np.ndarray) -> int:
@@ -47,12 +68,12 @@ def block_hashes(
 
 
 def extend_block_hashes(
-    hashes: list[int], token_ids: Sequence[int] | np.ndarray, block_size: int
+    hashes: list[int], token_ids: Sequence[int] | np.ndarray, block_size: int, root: int = ROOT_HASH
 ) -> list[int]:
-    """`hashes` (of the full blocks of a prefix of `token_ids`) extended to every full block of
-    `token_ids`; the list is extended in place and returned."""
+    """`hashes` (of the full blocks of a prefix of `token_ids`, chained from `root`) extended to
+    every full block of `token_ids`; the list is extended in place and returned."""
     start = len(hashes) * block_size
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root
     hashes.extend(block_hashes(token_ids[start:], block_size, parent))
     return hashes
 

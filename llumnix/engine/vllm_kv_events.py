@@ -6,15 +6,18 @@ the parent block's hash, the token ids and the block size), evicted (`BlockRemov
 (`AllBlocksCleared`), msgpack-encoded on a ZeroMQ PUB socket. vLLM's own hashes depend on its
 hash function and a per-process seed, so they are translated: a stored block's canonical hash
 (`llumnix.prefix_cache.block_hash`) chains over its parent's canonical hash and its token ids,
-exactly as the router hashes a prompt. The translation feeds a `PrefixCacheReporter`, whose changes
-the snapshot pump puts into each snapshot.
+exactly as the router hashes a prompt. A request's first block chains from the root of its cache
+salt and LoRA adapter (`llumnix.prefix_cache.root_hash`), read from the event's `lora_name` and its
+per-block `extra_keys`. Blocks with multimodal or prompt-embedding keys, which the router cannot
+hash, are not reported, nor are the blocks chained to them. The translation feeds a
+`PrefixCacheReporter`, whose changes the snapshot pump puts into each snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -22,7 +25,7 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from llumnix.engine.prefix_cache_report import PrefixCacheReporter
-from llumnix.prefix_cache import ROOT_HASH, block_hash
+from llumnix.prefix_cache import block_hash, root_hash
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +54,43 @@ class KvEventTranslator:
     def _stored(self, event: BlockStored) -> None:
         if event.block_size != self.block_size:
             return
-        if event.parent_block_hash is None:
-            parent = ROOT_HASH
-        elif event.parent_block_hash in self._canonical:
+        parent: int | None = None  # a request's first block: its root comes with its keys
+        if event.parent_block_hash is not None:
+            if event.parent_block_hash not in self._canonical:
+                return  # its prefix was never reported (events were lost or not hashable)
             parent = self._canonical[event.parent_block_hash]
-        else:
-            return  # its prefix was never reported (events were lost): nothing can chain to it
         size = self.block_size
         stored = []
         for i, vllm_hash in enumerate(event.block_hashes):
+            try:
+                salt = _cache_salt(event.extra_keys[i] if event.extra_keys else None, event.lora_name)
+            except _NotHashable:
+                break  # multimodal or embeddings: not for the router, nor what chains to it
+            if salt is not None and parent is not None:
+                break  # a salt past the first block: not vLLM 0.32's layout
+            if parent is None:
+                parent = root_hash(salt, event.lora_name)
             parent = block_hash(parent, event.token_ids[i * size : (i + 1) * size])
             self._canonical[vllm_hash] = parent
             stored.append(parent)
         self.reporter.stored(stored)
+
+
+class _NotHashable(ValueError):
+    """A block with extra keys the router cannot compute."""
+
+
+def _cache_salt(keys: Sequence[Any] | None, lora_name: str | None) -> str | None:
+    """The cache salt among one block's extra keys (None without one). vLLM 0.32 lists them
+    untagged, in this order: the LoRA adapter's name (with `lora_name` set), multimodal
+    `(identifier, offset)` pairs, the cache salt (first block only), prompt-embedding digests
+    (bytes); anything but the adapter and the salt raises `_NotHashable`."""
+    rest = list(keys or ())
+    if lora_name is not None and rest and rest[0] == lora_name:
+        del rest[0]
+    if len(rest) > 1 or (rest and not isinstance(rest[0], str)):
+        raise _NotHashable(rest)
+    return rest[0] if rest else None
 
 
 class KvEventFeed:

@@ -77,7 +77,7 @@ class Dispatcher:
         if request_id != request.request_id or block_size != self._block_size:
             block_size, tokens = self._block_size, request.prompt_token_ids
             cacheable = cacheable_blocks(len(tokens), block_size) * block_size
-            hashes = block_hashes(tokens[:cacheable], block_size)
+            hashes = block_hashes(tokens[:cacheable], block_size, request.prefix_root)
             self._hashed = (request.request_id, block_size, hashes)
         return index.cached_blocks(hashes)
 

@@ -98,7 +98,9 @@ class Generation:
         """The spliced output, in the batches it arrived in (never empty); raises RouterError when the
         request cannot be completed."""
         endpoint, body = self.request.endpoint, self.request.body
-        prompt_ids = self.queue.dispatcher.prompt_ids(endpoint, body)  # looked up in the prefix caches
+        prompt_tokens = self.queue.dispatcher.prompt_ids
+        prompt_ids = prompt_tokens(endpoint, body)  # looked up in the prefix caches
+        prefix_root = prompt_tokens.root(body)
         target: Instance | None = None
         attach_id: str | None = None  # after a move: the next call attaches at the destination
         for attempt in range(self.limits.max_attempts):
@@ -106,7 +108,7 @@ class Generation:
             sub_id = attach_id or sub_id
             load = RequestLoad(sub_id, self.request.prompt_tokens_estimate + self.out.tokens,
                                high_priority=self.request.high_priority, arrival_time=time.time(),
-                               prompt_token_ids=prompt_ids)
+                               prompt_token_ids=prompt_ids, prefix_root=prefix_root)
             if target is None:
                 instance = await self.queue.acquire(load, self.request.high_priority)
             else:

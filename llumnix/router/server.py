@@ -58,7 +58,7 @@ class Router:
                                       top_k=config.top_k, load_model=config.load_model,
                                       prefix_weight=config.prefix_weight)
         self.dispatcher = Dispatcher(policy, self.instances, self.metrics,
-                                     PromptTokens.load(config.tokenizer))
+                                     PromptTokens.load(config.tokenizer, config.api.model))
         self.queue = DispatchQueue(self.dispatcher, config.queue_capacity, config.queue_timeout_s,
                                    self.metrics)
         self.api = RouterApi(config.api, self.queue, self.instances, self.metrics,

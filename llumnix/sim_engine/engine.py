@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from llumnix.engine.engine_snapshot import build_snapshot
 from llumnix.engine.prefix_cache_report import PrefixCacheReporter
-from llumnix.prefix_cache import block_hashes, extend_block_hashes
+from llumnix.prefix_cache import block_hashes, extend_block_hashes, root_hash
 from llumnix.sim.instance import SimInstance
 from llumnix.sim.request import FINISHED, SimRequest
 from llumnix.sim_engine.requests import GenerationRequest
@@ -161,7 +161,8 @@ class SimEngine:
             len(params.prompt_token_ids),
             params.max_tokens,
             high_priority=self.priority_scheduling and params.priority < 0,
-            block_hashes=block_hashes(params.prompt_token_ids, self.instance.block_size) if caching else None,
+            block_hashes=block_hashes(params.prompt_token_ids, self.instance.block_size,
+                                      root_hash(params.cache_salt)) if caching else None,
         )
         if caching:
             self.prefix_cache_queries_total += len(params.prompt_token_ids)
@@ -227,7 +228,8 @@ class SimEngine:
         if self._prefix_report is not None and tokens % block_size == 0:
             # A block of generated tokens is full: it is cached when the request frees it, as vLLM's.
             sequence = [*generation.params.prompt_token_ids, *generation.output_ids]
-            extend_block_hashes(sim.block_hashes, sequence, block_size)
+            root = root_hash(generation.params.cache_salt)
+            extend_block_hashes(sim.block_hashes, sequence, block_size, root)
         if generation.finished:
             if sim.state != FINISHED:
                 self.instance.abort(sim, now)  # a stop condition the instance does not model

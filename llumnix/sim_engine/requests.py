@@ -12,6 +12,8 @@ from llumnix.openai_stream import COMPLETION_DEFAULT_MAX_TOKENS, EndpointKind, o
 from llumnix.sim_engine.tokens import VOCAB_SIZE, apply_chat_template, encode
 
 MAX_STOP_STRINGS = 4
+MAX_CACHE_SALT_LENGTH = 128
+CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 
 # Fields that change the response's shape or meaning and that the sim engine does not model: they
 # are refused rather than silently ignored (value -> whether the given value is the harmless default).
@@ -87,6 +89,8 @@ class GenerationRequest:
     return_token_ids: bool = False
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    """Salts the prompt's prefix-cache blocks (vLLM's: only requests with the same salt share them)."""
 
 
 class _Body:
@@ -223,7 +227,20 @@ def parse_request(
         return_token_ids=body.flag("return_token_ids"),
         priority=body.integer("priority", 0) or 0,
         kv_transfer_params=body.mapping("kv_transfer_params"),
+        cache_salt=_cache_salt(raw.get("cache_salt")),
     )
+
+
+def _cache_salt(value: Any) -> str | None:
+    """vLLM's `validate_cache_salt`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise value_error("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(value) > MAX_CACHE_SALT_LENGTH or any(char in CACHE_SALT_FORBIDDEN_CHARS for char in value):
+        raise value_error("Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                          "'@', '/', '\\\\', or NUL.", "cache_salt")
+    return value
 
 
 def _int_list(value: Any, loc: str) -> list[int]:

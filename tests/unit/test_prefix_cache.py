@@ -14,6 +14,7 @@ from llumnix.prefix_cache import (
     block_hashes,
     cacheable_blocks,
     extend_block_hashes,
+    root_hash,
 )
 
 
@@ -36,10 +37,30 @@ def test_extending_a_prefix_gives_the_hashes_of_the_whole_sequence() -> None:
 
 def test_the_hash_is_the_same_in_another_process() -> None:
     # Python's hash() would differ per process (PYTHONHASHSEED); routers and engines must agree.
-    code = "from llumnix.prefix_cache import block_hashes; print(block_hashes(list(range(32)), 16))"
+    code = ("from llumnix.prefix_cache import block_hashes, root_hash; "
+            "print(block_hashes(list(range(32)), 16), root_hash('s', 'lora'))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env={"PYTHONHASHSEED": "123"}).stdout
-    assert out.strip() == str(block_hashes(list(range(32)), 16))
+    assert out.strip() == f"{block_hashes(list(range(32)), 16)} {root_hash('s', 'lora')}"
+
+
+def test_a_salted_and_an_unsalted_request_share_no_block_equal_salts_do() -> None:
+    tokens = list(range(16 * 4))
+    plain = block_hashes(tokens, 16)
+    salted = block_hashes(tokens, 16, root_hash("tenant-a"))
+    index = PrefixIndex()
+    index.apply("a", salted, ())
+    index.apply("b", plain, ())
+    # vLLM salts the first block only; every later block chains to it, so nothing is shared.
+    assert not set(salted) & set(plain)
+    assert index.cached_blocks(block_hashes(tokens, 16, root_hash("tenant-a"))) == {"a": 4}
+    assert index.cached_blocks(block_hashes(tokens, 16, root_hash("tenant-b"))) == {}
+    assert index.cached_blocks(plain) == {"b": 4}
+    assert root_hash() == root_hash("") == root_hash(None, None) == ROOT_HASH  # no salt, base model
+    # A LoRA adapter keys the blocks too; salt and adapter never stand in for each other.
+    roots = {root_hash("x"), root_hash(None, "x"), root_hash("x", "x"), root_hash("xx"), root_hash("x", "")}
+    assert len(roots) == 5 and ROOT_HASH not in roots
+    assert extend_block_hashes([], tokens, 16, root_hash("tenant-a")) == salted
 
 
 def test_a_hit_leaves_the_prompts_last_token_to_compute() -> None:

@@ -1,5 +1,5 @@
 """Router dispatch over instances' loads: in-flight accounting between snapshots, holding requests
-while every instance is busy, the bounded priority queue."""
+while every instance is busy, the bounded priority queue, the prefix lookup's keys."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import pytest
 from dispatch_reference import random_load, random_request, reference_choice
 
 from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.openai_stream import EndpointKind
 from llumnix.policies.dispatch import ScoringPolicy, make_dispatch_policy
+from llumnix.prefix_cache import block_hashes, root_hash
 from llumnix.router.dispatcher import Dispatcher, DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
+from llumnix.router.prompt_ids import PromptTokens
 from llumnix.wire import LoadReport, LoadSource
 
 
@@ -217,4 +220,34 @@ async def test_dispatch_chooses_as_the_policy_does_over_every_effective_load(nam
                     assert chosen is by_id[expected[0]]
             if chosen is not None:
                 in_flight[r.request_id] = (chosen, r)
+    await instances.close()
+
+
+async def test_the_prefix_lookup_keys_on_the_cache_salt_and_never_credits_multimodal_prompts() -> None:
+    # a caches the salted prefix but has less free memory than b: only a request that will find the
+    # prefix there (same tokens, same salt) is worth sending to a.
+    instances = cluster(report("a", free_blocks=60), report("b", free_blocks=100))
+    a, b = instances.all()
+    prompts = PromptTokens(served_model="tiny")
+    prefix = list(range(16 * 40))
+    instances.prefix_index.apply("a", block_hashes(prefix, 16, root_hash("tenant-a")), ())
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix", prefix_weight=2.0), instances, prompt_ids=prompts)
+
+    def dispatch(i: int, endpoint: EndpointKind, body: dict[str, object]) -> Instance | None:
+        ids = prompts(endpoint, body)
+        load = RequestLoad(f"r{i}", max(len(ids), 660), prompt_token_ids=ids, prefix_root=prompts.root(body))
+        chosen = dispatcher.dispatch(load)
+        assert chosen is not None
+        chosen.release(load.request_id)
+        return chosen
+
+    completion = {"model": "tiny", "prompt": [*prefix, *range(20)]}
+    assert dispatch(1, EndpointKind.COMPLETION, {**completion, "cache_salt": "tenant-a"}) is a
+    assert dispatch(2, EndpointKind.COMPLETION, {**completion, "cache_salt": "tenant-b"}) is b
+    assert dispatch(3, EndpointKind.COMPLETION, completion) is b
+    # Same token ids as prompt embeddings, or an image in a chat: no credit, dispatched by load.
+    assert dispatch(4, EndpointKind.COMPLETION, {**completion, "cache_salt": "tenant-a",
+                                                 "prompt_embeds": "AAAA"}) is b
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert dispatch(5, EndpointKind.CHAT, {"model": "tiny", "messages": image, "cache_salt": "tenant-a"}) is b
     await instances.close()

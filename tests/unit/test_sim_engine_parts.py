@@ -133,3 +133,14 @@ def test_unsimulated_features_are_refused_clearly(body: dict[str, object]) -> No
         parse_request(EndpointKind.COMPLETION, body, "m", 100)
     assert info.value.status == 400
     assert "simulated engine" in info.value.body["error"]["message"]
+
+
+def test_a_cache_salt_is_validated_as_vllm_does() -> None:
+    salted = parse_request(EndpointKind.COMPLETION, {"prompt": "a", "cache_salt": "tenant-a"}, "m", 100)
+    assert salted.cache_salt == "tenant-a"
+    assert parse_request(EndpointKind.COMPLETION, {"prompt": "a"}, "m", 100).cache_salt is None
+    for bad in ("", 7, "a/b", "x" * 129):
+        with pytest.raises(RequestError) as info:
+            parse_request(EndpointKind.COMPLETION, {"prompt": "a", "cache_salt": bad}, "m", 100)
+        assert info.value.status == 400 and info.value.body["error"]["param"] == "cache_salt"
+        assert "Parameter 'cache_salt' must" in info.value.body["error"]["message"]

@@ -4,6 +4,8 @@ prompt, removals and a cleared cache follow, blocks of another hash granularity 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -16,14 +18,16 @@ from waiting import wait_until
 
 from llumnix.engine.prefix_cache_report import PrefixCacheReporter
 from llumnix.engine.vllm_kv_events import KvEventFeed, KvEventTranslator
-from llumnix.prefix_cache import block_hashes
+from llumnix.prefix_cache import block_hashes, root_hash
 
 TOKENS = list(range(100, 164))  # four blocks of 16
 
 
-def stored(hashes: list[int], parent: int | None, tokens: list[int], block_size: int = 16) -> BlockStored:
+def stored(hashes: list[Any], parent: Any, tokens: list[int], block_size: int = 16,
+           lora_name: str | None = None, extra_keys: list[Any] | None = None) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=block_size,
-                       lora_id=None, medium="GPU", lora_name=None)
+                       lora_id=1 if lora_name else None, medium="GPU", lora_name=lora_name,
+                       extra_keys=extra_keys)
 
 
 def cached(reporter: PrefixCacheReporter) -> set[int]:
@@ -46,6 +50,36 @@ def test_stored_blocks_get_the_routers_hashes_and_removals_follow() -> None:
     assert cached(reporter) == set(expected[:2])
     translator.apply([AllBlocksCleared()])
     assert cached(reporter) == set()
+
+
+def test_salted_and_lora_blocks_chain_from_the_requests_root() -> None:
+    reporter = PrefixCacheReporter(full_every_s=0.0)
+    translator = KvEventTranslator(reporter, 16)
+    # vLLM 0.32's extra keys, untagged, one entry per block: the adapter's name on every block, the
+    # salt on the first only.
+    translator.apply([
+        stored([b"s1", b"s2"], None, TOKENS[:32], extra_keys=[("tenant-a",), None]),
+        stored([b"s3"], b"s2", TOKENS[32:48]),
+        stored([b"l1", b"l2"], None, TOKENS[:32], lora_name="sql",
+               extra_keys=[("sql", "tenant-a"), ("sql",)]),
+        stored([b"p1"], None, TOKENS[:16]),
+    ])
+    salted = block_hashes(TOKENS[:48], 16, root_hash("tenant-a"))
+    lora = block_hashes(TOKENS[:32], 16, root_hash("tenant-a", "sql"))
+    assert cached(reporter) == {*salted, *lora, *block_hashes(TOKENS[:16], 16)}
+    assert len({salted[0], lora[0], block_hashes(TOKENS[:16], 16)[0]}) == 3
+
+
+def test_blocks_with_multimodal_or_embedding_keys_and_their_descendants_are_not_reported() -> None:
+    reporter = PrefixCacheReporter(full_every_s=0.0)
+    translator = KvEventTranslator(reporter, 16)
+    translator.apply([
+        # text, then an image (its hash and offset in the block), then text chained to the image
+        stored([b"t1", b"m1", b"t2"], None, TOKENS[:48], extra_keys=[None, (["img-hash", 3],), None]),
+        stored([b"t3"], b"t2", TOKENS[48:64]),
+        stored([b"e1"], None, TOKENS[:16], extra_keys=[(b"embeds-digest",)]),
+    ])
+    assert cached(reporter) == set(block_hashes(TOKENS[:16], 16))
 
 
 @pytest.mark.asyncio
