@@ -3,8 +3,11 @@ translated by the connector): after one request with a long prompt, requests sha
 prefix all go to the engine that has it cached: token-id prompts, and text and chat prompts with the
 model's tokenizer in the router (its tokenization names the very blocks the engine reported). Shown by
 the engines' own counters (vllm:prefix_cache_queries / vllm:prefix_cache_hits): the other engine is
-never asked, the holder serves each follower's prefix from its cache. Times to first token are
-printed (a cache hit skips the prefix's prefill); nothing here depends on how fast the engines are."""
+never asked, the holder serves each follower's prefix from its cache. A salted prompt's blocks, as
+vLLM's KV events report them, are the very blocks the router hashes for it (chained from the salt's
+root); only a request with the same salt is credited with them, and vLLM's counters agree with the
+router's prediction for each. Times to first token are printed (a cache hit skips the prefix's
+prefill); nothing here depends on how fast the engines are."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.openai_stream import EndpointKind
-from llumnix.prefix_cache import block_hashes
+from llumnix.prefix_cache import block_hashes, cacheable_blocks, root_hash
 from llumnix.router.api import ApiSettings
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router, RouterConfig
@@ -146,3 +149,59 @@ async def test_text_and_chat_prompts_go_where_their_prefix_is_cached_with_the_mo
                 assert hits >= 3 * (len(hashes) - 2) * BLOCK, (endpoint, hits)  # all but the last blocks
     finally:
         await router.shutdown()
+
+
+async def test_a_salted_prefix_is_reported_and_predicted_as_vllm_keys_it(pairs: list[EnginePair]) -> None:
+    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
+                          service_token=SERVICE_TOKEN)
+    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
+    await router.start()
+    rng = random.Random(2)
+    prefix = [rng.randrange(10, 300) for _ in range(PREFIX_BLOCKS * BLOCK)]
+    index = router.instances.prefix_index
+    prompt_ids = router.dispatcher.prompt_ids
+
+    def body(tail: list[int], salt: str | None) -> dict[str, object]:
+        return {"model": "tiny", "prompt": [*prefix, *tail], "max_tokens": 2,
+                **({} if salt is None else {"cache_salt": salt})}
+
+    def predicted(request: dict[str, object]) -> dict[str, int]:
+        """The router's own view: its hashes of the request, looked up in what the engines reported."""
+        tokens = prompt_ids(EndpointKind.COMPLETION, request)
+        cacheable = cacheable_blocks(len(tokens), BLOCK) * BLOCK
+        return index.cached_blocks(block_hashes(tokens[:cacheable], BLOCK, prompt_ids.root(request)))
+
+    try:
+        await wait_until(lambda: len(router.instances.dispatchable()) == 2, "both load streams", 60.0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
+            async with session.post(router.url + "/v1/completions", json=body([1], "tenant-a")) as response:
+                assert response.status == 200, await response.text()
+            # vLLM's events for the salted prompt, translated, name the router's salted hashes; the
+            # unsalted chain of the same tokens is cached nowhere.
+            salted = block_hashes(prefix, BLOCK, root_hash("tenant-a"))
+            await wait_until(lambda: PREFIX_BLOCKS in index.cached_blocks(salted).values(),
+                             "the router to find the salted prompt's blocks", 60.0)
+            (holder_id,) = index.cached_blocks(salted)
+            assert index.cached_blocks(block_hashes(prefix, BLOCK)) == {}
+            outcomes = []
+            for n, salt in enumerate(("tenant-a", "tenant-b", None)):
+                request = body([n + 2] * BLOCK, salt)
+                expected = predicted(request)
+                before = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url)
+                          for p in pairs}
+                async with session.post(router.url + "/v1/completions", json=request) as response:
+                    assert response.status == 200, await response.text()
+                after = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url)
+                         for p in pairs}
+                (served,) = (iid for iid in after if after[iid][0] > before[iid][0])
+                outcomes.append((salt, served == holder_id, expected.get(served, 0) * BLOCK,
+                                 after[served][1] - before[served][1]))
+    finally:
+        await router.shutdown()
+    print("(salt, on the holder, router's predicted hit tokens, vLLM's hit tokens):", outcomes)
+    # The same salt goes to the holder and hits the whole prefix there; another salt or none is
+    # credited nothing and vLLM finds nothing cached, wherever it goes.
+    assert outcomes[0] == ("tenant-a", True, PREFIX_BLOCKS * BLOCK, PREFIX_BLOCKS * BLOCK)
+    assert [(salt, predicted_hits, hits) for salt, _, predicted_hits, hits in outcomes[1:]] == [
+        ("tenant-b", 0, 0), (None, 0, 0)]
