@@ -96,6 +96,10 @@ class EngineClient:
                         raise EngineError(int(error.get("code") or 500), event)
                     yield event
         except (aiohttp.ClientError, OSError) as exc:
+            # A response closed while read (a migration's final stage, an abort) raises aiohttp's one
+            # module-level "Connection closed" error; every raise prepends its frames to that error's
+            # traceback, so each closed stream's frames, response and buffers would live forever.
+            exc.__traceback__ = None
             raise EngineUnavailableError(
                 f"the engine dropped the response stream ({type(exc).__name__}); it may have died") from None
         except ValueError as exc:
