@@ -232,6 +232,17 @@ async def _wait_idle(node: Node, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
+def _log_lines(request_id: str, *nodes: Node) -> str:
+    """The llumlets' log lines about one request: what ended it where, when a hop did not commit."""
+    lines = []
+    for node in nodes:
+        path = node.pair.llumlet.config.log_path
+        text = path.read_text(errors="replace") if path.exists() else ""
+        lines += [f"{node.pair.config.instance_id}: {line}" for line in text.splitlines()
+                  if f'"{request_id}"' in line]
+    return "\n".join(lines[-20:])
+
+
 async def _migrated_run(nodes: tuple[Node, Node], request_id: str, body: dict[str, Any], hops: int,
                         after: list[int], want: int) -> tuple[list[int], list[mpb.MigrateOutResponse]]:
     """Runs the request on nodes[0], moves it `hops` times (after `after[i]` tokens each), and returns
@@ -246,7 +257,8 @@ async def _migrated_run(nodes: tuple[Node, Node], request_id: str, body: dict[st
         if result.outcome != mpb.MIGRATION_OUTCOME_COMMITTED:
             load = await here.api.GetLoad(pb.GetLoadRequest())
             result.reason += (f" [hop {hop}: {len(run.tokens)} tokens read, stream ended: {run.done}, "
-                              f"running there: {[r.request_id for r in load.running]}]")
+                              f"running there: {[r.request_id for r in load.running]}; "
+                              f"{_log_lines(request_id, here, there)}]")
             break
         await run.follow(there)
         here, there = there, here
