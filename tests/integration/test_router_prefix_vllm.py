@@ -58,16 +58,22 @@ async def pairs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         await asyncio.gather(*(p.stop() for p in started), return_exceptions=True)
 
 
+async def _started_router(pairs: list[EnginePair], tokenizer: str | None = None) -> Router:
+    """A router over the pairs (the caller shuts it down)."""
+    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
+                          service_token=SERVICE_TOKEN, tokenizer=tokenizer)
+    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
+    await router.start()
+    return router
+
+
 async def ttft(session: aiohttp.ClientSession, router: Router, prompt: list[int]) -> float:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
     return await time_to_first_token(session, router.url, body)
 
 
 async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: list[EnginePair]) -> None:
-    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
-                          service_token=SERVICE_TOKEN)
-    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
-    await router.start()
+    router = await _started_router(pairs)
     rng = random.Random(0)
     prefix = [rng.randrange(10, 300) for _ in range(PREFIX_BLOCKS * BLOCK)]
     hashes = block_hashes(prefix, BLOCK)
@@ -103,10 +109,7 @@ async def test_requests_sharing_a_prefix_go_to_the_engine_that_caches_it(pairs: 
 
 async def test_text_and_chat_prompts_go_where_their_prefix_is_cached_with_the_models_tokenizer(
         pairs: list[EnginePair], tiny_model_dir: Path) -> None:
-    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
-                          service_token=SERVICE_TOKEN, tokenizer=str(tiny_model_dir))
-    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
-    await router.start()
+    router = await _started_router(pairs, tokenizer=str(tiny_model_dir))
     rng = random.Random(1)
     system = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(160))
     index = router.instances.prefix_index
@@ -152,10 +155,7 @@ async def test_text_and_chat_prompts_go_where_their_prefix_is_cached_with_the_mo
 
 
 async def test_a_salted_prefix_is_reported_and_predicted_as_vllm_keys_it(pairs: list[EnginePair]) -> None:
-    config = RouterConfig(api=ApiSettings(model="tiny"), host="127.0.0.1", port=0,
-                          service_token=SERVICE_TOKEN)
-    router = Router(config, ListInstanceSource([p.grpc_address for p in pairs]))
-    await router.start()
+    router = await _started_router(pairs)
     rng = random.Random(2)
     prefix = [rng.randrange(10, 300) for _ in range(PREFIX_BLOCKS * BLOCK)]
     index = router.instances.prefix_index
