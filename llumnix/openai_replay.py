@@ -14,9 +14,12 @@ from typing import Any
 from llumnix.openai_stream import COMPLETION_DEFAULT_MAX_TOKENS, EndpointKind
 
 _NOT_SAMPLING = ("prompt", "messages", "stream", "stream_options", "echo", "suffix", "return_token_ids",
-                 "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+                 "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of",
+                 "truncate_prompt_tokens", "truncation_side", "add_special_tokens")
 """Fields replaced or meaningless in the replay; everything else (sampling parameters, stop
-conditions, seed, ignore_eos, ...) is sent again unchanged."""
+conditions, seed, ignore_eos, ...) is sent again unchanged. The reported prompt ids are already
+truncated and tokenized: truncating prompt + generated ids again would cut the context the output
+continues from (and misplace a migration's staged KV)."""
 _CHAT_TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "add_generation_prompt",
                          "continue_final_message", "documents", "tool_choice", "tools",
                          "parallel_tool_calls", "response_format", "logprobs", "top_logprobs",

@@ -3,10 +3,14 @@ instances' prefix caches.
 
 Without a tokenizer the router knows them only for a completion whose prompt is one list of token
 ids. With the model's tokenizer (`llumnix router --tokenizer PATH`) it also tokenizes a text
-completion (special tokens added, as vLLM's completions do) and a chat whose messages are strings
-(the tokenizer's chat template with the generation prompt, then tokenized without special tokens, as
-vLLM's chat does). Anything else (batches, content parts, tools, a template that fails) gets no ids:
-it is dispatched by load alone. So do multimodal requests (images and the like come only as chat
+completion (special tokens added unless `add_special_tokens` is false, as vLLM's completions do) and
+a chat whose messages are strings (the tokenizer's chat template with the generation prompt, or
+continuing the final message, and the request's `chat_template_kwargs`; then tokenized without
+special tokens unless `add_special_tokens` is true, as vLLM's chat does). `truncate_prompt_tokens`
+cuts the ids as vLLM's generate runner does (its last N, or its first N with `truncation_side:
+"right"`). Anything else (batches, content parts, tools, the request's own `chat_template`,
+truncation to the unknown model length (-1), a template that fails) gets no ids: it is dispatched by
+load alone. So do multimodal requests (images and the like come only as chat
 content parts) and prompt embeddings: vLLM hashes their blocks with the inputs' own hashes, which the
 router cannot compute, and a lookup by token ids alone could find blocks the engine would not reuse.
 
@@ -21,6 +25,12 @@ from typing import Any
 from llumnix.openai_stream import EndpointKind
 from llumnix.prefix_cache import root_hash
 
+_TEMPLATE_CALL_ARGUMENTS = frozenset({"conversation", "tools", "chat_template", "tokenize", "return_dict",
+                                      "return_tensors", "padding", "truncation", "max_length",
+                                      "tokenizer_kwargs", "return_assistant_tokens_mask"})
+"""Parameters of the tokenizer's `apply_chat_template` itself: a request's chat_template_kwargs
+naming one is not rendered here (vLLM's template resolution treats it otherwise)."""
+
 
 def token_id_prompt(endpoint: EndpointKind, body: dict[str, Any]) -> tuple[int, ...]:
     """The prompt's token ids; empty when the prompt is text, a batch or a chat."""
@@ -30,6 +40,20 @@ def token_id_prompt(endpoint: EndpointKind, body: dict[str, Any]) -> tuple[int, 
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return tuple(prompt)
     return ()
+
+
+def truncated(body: dict[str, Any], ids: tuple[int, ...]) -> tuple[int, ...]:
+    """`ids` as the engine keeps them under the request's `truncate_prompt_tokens`: vLLM's generate
+    runner keeps the last N (its tokenizers truncate from the left) unless `truncation_side` is
+    "right". -1 (the model's length, unknown here) or a malformed value: no ids."""
+    limit = body.get("truncate_prompt_tokens")
+    if limit is None:
+        return ids
+    if type(limit) is not int or limit < 0:
+        return ()
+    if limit >= len(ids):
+        return ids
+    return ids[:limit] if body.get("truncation_side") == "right" else ids[len(ids) - limit:]
 
 
 class PromptTokens:
@@ -67,22 +91,38 @@ class PromptTokens:
         if body.get("prompt_embeds") is not None:
             return ()
         ids = token_id_prompt(endpoint, body)
-        tokenizer = self.tokenizer
-        if ids or tokenizer is None:
-            return ids
-        try:
-            if endpoint is EndpointKind.COMPLETION:
-                prompt = body.get("prompt")
-                return tuple(tokenizer.encode(prompt)) if isinstance(prompt, str) and prompt else ()
-            messages = body.get("messages")
-            if not isinstance(messages, list) or body.get("tools") or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
-            ):
+        if not ids and self.tokenizer is not None:
+            try:
+                ids = self._tokenized(endpoint, body)
+            except Exception:  # a template that cannot render this conversation: dispatch by load
                 return ()
-            text = tokenizer.apply_chat_template(
-                [{"role": m.get("role"), "content": m["content"]} for m in messages],
-                add_generation_prompt=True, tokenize=False,
-            )
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
-        except Exception:  # a template that cannot render this conversation: dispatch by load
+        return truncated(body, ids)
+
+    def _tokenized(self, endpoint: EndpointKind, body: dict[str, Any]) -> tuple[int, ...]:
+        """A text completion's or a string-only chat's ids, with vLLM's defaults for the fields that
+        change them."""
+        tokenizer = self.tokenizer
+        special = body.get("add_special_tokens", endpoint is EndpointKind.COMPLETION)
+        if not isinstance(special, bool):
             return ()
+        if endpoint is EndpointKind.COMPLETION:
+            prompt = body.get("prompt")
+            return tuple(tokenizer.encode(prompt, add_special_tokens=special)) \
+                if isinstance(prompt, str) and prompt else ()
+        messages, options = body.get("messages"), body.get("chat_template_kwargs") or {}
+        if not isinstance(messages, list) or body.get("tools") or body.get("chat_template") \
+                or not isinstance(options, dict) or _TEMPLATE_CALL_ARGUMENTS & options.keys() or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            return ()
+        # As vLLM's chat renders: the request's own fields over its chat_template_kwargs (unset ones
+        # left out), and a reasoning effort switching thinking on or off unless the kwargs say.
+        fields = {"add_generation_prompt": body.get("add_generation_prompt", True),
+                  "continue_final_message": body.get("continue_final_message", False),
+                  "documents": body.get("documents"), "reasoning_effort": body.get("reasoning_effort")}
+        options = {**options, **{k: v for k, v in fields.items() if v not in (None, "auto")}}
+        if body.get("reasoning_effort") is not None and "enable_thinking" not in options:
+            options["enable_thinking"] = body["reasoning_effort"] != "none"
+        text = tokenizer.apply_chat_template(
+            [{"role": m.get("role"), "content": m["content"]} for m in messages], tokenize=False,
+            **options)
+        return tuple(tokenizer.encode(text, add_special_tokens=special))

@@ -205,3 +205,43 @@ async def test_a_salted_prefix_is_reported_and_predicted_as_vllm_keys_it(pairs: 
     assert outcomes[0] == ("tenant-a", True, PREFIX_BLOCKS * BLOCK, PREFIX_BLOCKS * BLOCK)
     assert [(salt, predicted_hits, hits) for salt, _, predicted_hits, hits in outcomes[1:]] == [
         ("tenant-b", 0, 0), (None, 0, 0)]
+
+
+async def test_a_truncated_prompt_is_predicted_as_vllm_keeps_it(pairs: list[EnginePair]) -> None:
+    """`truncate_prompt_tokens` keeps the prompt's last N ids: a prompt whose head is new but whose kept
+    tail starts with a cached prefix hits it, and the router predicts exactly vLLM's hit."""
+    router = await _started_router(pairs)
+    rng = random.Random(3)
+    prefix = [rng.randrange(10, 300) for _ in range(PREFIX_BLOCKS * BLOCK)]
+    index = router.instances.prefix_index
+    prompt_ids = router.dispatcher.prompt_ids
+    tail = [7] * BLOCK
+    request = {"model": "tiny", "prompt": [*([3] * 4 * BLOCK), *prefix, *tail], "max_tokens": 2,
+               "truncate_prompt_tokens": len(prefix) + len(tail)}
+    try:
+        await wait_until(lambda: len(router.instances.dispatchable()) == 2, "both load streams", 60.0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
+            leader = {"model": "tiny", "prompt": [*prefix, 1], "max_tokens": 2}
+            async with session.post(router.url + "/v1/completions", json=leader) as response:
+                assert response.status == 200, await response.text()
+            hashes = block_hashes(prefix, BLOCK)
+            await wait_until(lambda: PREFIX_BLOCKS in index.cached_blocks(hashes).values(),
+                             "the router to learn which engine caches the prefix", 60.0)
+            (holder_id,) = index.cached_blocks(hashes)
+            tokens = prompt_ids(EndpointKind.COMPLETION, request)
+            assert tokens == (*prefix, *tail)
+            expected = index.cached_blocks(block_hashes(tokens[:cacheable_blocks(len(tokens), BLOCK) * BLOCK],
+                                                        BLOCK))
+            before = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
+            async with session.post(router.url + "/v1/completions", json=request) as response:
+                assert response.status == 200, await response.text()
+                usage = (await response.json())["usage"]
+            after = {p.config.instance_id: await prefix_cache_counters(session, p.engine_url) for p in pairs}
+    finally:
+        await router.shutdown()
+    (served,) = (iid for iid in after if after[iid][0] > before[iid][0])
+    assert usage["prompt_tokens"] == len(prefix) + len(tail)  # vLLM kept the last N, as predicted
+    assert served == holder_id
+    assert expected == {holder_id: PREFIX_BLOCKS}
+    assert after[served][1] - before[served][1] == PREFIX_BLOCKS * BLOCK

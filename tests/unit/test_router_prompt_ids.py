@@ -6,6 +6,7 @@ embeddings included); the root of their hashes from the cache salt and the LoRA 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -37,6 +38,48 @@ def test_with_the_models_tokenizer_text_and_chat_are_tokenized_as_vllm_does(tiny
     assert ids(CHAT, {"messages": parts}) == ()
     assert ids(CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}) == ()
     assert ids(COMPLETION, {"prompt": ["a", "b"]}) == ()
+
+
+class _WithBos:
+    """The tiny model's tokenizer adding a BOS id (999) as Llama's does: the tiny one adds none."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [999] * add_special_tokens + self.tokenizer.encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+
+def test_the_fields_vllm_tokenizes_by_are_honoured(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = PromptTokens(_WithBos(tokenizer))
+    text = "hello world, and then some more words"
+    plain = tuple(tokenizer.encode(text, add_special_tokens=False))
+    assert ids(COMPLETION, {"prompt": text}) == (999, *plain)
+    assert ids(COMPLETION, {"prompt": text, "add_special_tokens": False}) == plain
+    # vLLM's generate runner keeps the last N ids, or the first N with truncation_side "right".
+    full = ids(COMPLETION, {"prompt": text})
+    assert ids(COMPLETION, {"prompt": text, "truncate_prompt_tokens": 4}) == full[-4:]
+    right = {"prompt": text, "truncate_prompt_tokens": 4, "truncation_side": "right"}
+    assert ids(COMPLETION, right) == full[:4]
+    assert ids(COMPLETION, {"prompt": [1, 2, 3], "truncate_prompt_tokens": 2}) == (2, 3)
+    assert ids(COMPLETION, {"prompt": [1, 2, 3], "truncate_prompt_tokens": 9}) == (1, 2, 3)
+    assert ids(COMPLETION, {"prompt": [1, 2, 3], "truncate_prompt_tokens": -1}) == ()  # the model's length
+    assert ids(COMPLETION, {"prompt": text, "add_special_tokens": "no"}) == ()
+    continued = [*MESSAGES, {"role": "assistant", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(continued, continue_final_message=True, tokenize=False)
+    continuing = {"messages": continued, "add_generation_prompt": False, "continue_final_message": True}
+    assert ids(CHAT, continuing) == tuple(tokenizer.encode(rendered, add_special_tokens=False))
+    rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    templated = tuple(tokenizer.encode(rendered, add_special_tokens=False))
+    assert ids(CHAT, {"messages": MESSAGES}) == templated
+    assert ids(CHAT, {"messages": MESSAGES, "add_special_tokens": True}) == (999, *templated)
+    # A template of the request's own, or kwargs that are the renderer's parameters: dispatch by load.
+    assert ids(CHAT, {"messages": MESSAGES, "chat_template": "{{ messages }}"}) == ()
+    assert ids(CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}) == ()
 
 
 def test_the_root_carries_the_cache_salt_and_the_lora_adapter_the_model_names() -> None:

@@ -109,6 +109,15 @@ def test_completion_replay_continues_after_the_generated_tokens() -> None:
         replay_body(COMPLETION, {"prompt": "x", "n": 2}, (1,), [5])
 
 
+def test_a_replay_does_not_truncate_or_retokenize_the_reported_prompt_again() -> None:
+    # The engine reported the prompt as it kept it; cutting prompt + generated to the last 3 ids would
+    # drop the context the output continues from.
+    body = {"prompt": "a long text", "max_tokens": 10, "truncate_prompt_tokens": 3, "truncation_side": "left",
+            "add_special_tokens": False}
+    assert replay_body(COMPLETION, body, (7, 8, 9), [40, 41]) == {"prompt": [7, 8, 9, 40, 41],
+                                                                   "max_tokens": 8}
+
+
 def test_chat_replay_goes_through_completions_with_the_templated_prompt_ids() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5,
             "temperature": 0.0, "chat_template_kwargs": {}, "add_generation_prompt": True}
