@@ -1,14 +1,18 @@
 """The Helm chart lints and renders (Helm's own engine, via helm-python-sdk); its manifests and the
 ones the operator builds validate against the Kubernetes API schemas (the operator's Role:
-test_operator_rbac.py)."""
+test_operator_rbac.py), its Prometheus Operator objects against the published CRDs' schemas
+(tests/schemas/prometheus-operator)."""
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from custom_resources import PROMETHEUS_OPERATOR_CRDS, CRDSchemas
 
 from llumnix.service_spec import ServiceSettings, validate_spec
 from llumnix_operator.build_config import BuildConfig
@@ -116,6 +120,69 @@ def test_monitoring_objects_and_dashboards_when_asked() -> None:
         assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
         (name, text), = config_map["data"].items()
         assert json.loads(text) == json.loads((CHART / "dashboards" / name).read_text())
+
+
+MONITORING_GROUP = "monitoring.coreos.com/"
+
+
+def monitoring_objects() -> list[dict]:
+    docs = render({"monitoring": {"enabled": True, "labels": {"release": "kps"}}})
+    return [d for d in docs if d["apiVersion"].startswith(MONITORING_GROUP)]
+
+
+def test_monitoring_objects_validate_against_the_prometheus_operator_crds() -> None:
+    crds = CRDSchemas(PROMETHEUS_OPERATOR_CRDS)
+    objects = monitoring_objects()
+    assert sorted(o["kind"] for o in objects) == ["PodMonitor"] * 3 + ["PrometheusRule"]
+    for obj in objects:
+        assert crds.errors(obj) == [], obj["metadata"]["name"]
+
+
+def _port_as_a_number(pod_monitor: dict) -> None:
+    pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] = 8000
+
+
+def _interval_in_words(pod_monitor: dict) -> None:
+    pod_monitor["spec"]["podMetricsEndpoints"][0]["interval"] = "15 seconds"
+
+
+def _misspelt_field(pod_monitor: dict) -> None:
+    pod_monitor["spec"]["podMetricEndpoints"] = pod_monitor["spec"].pop("podMetricsEndpoints")
+
+
+def _rule_without_an_expression(rule: dict) -> None:
+    del rule["spec"]["groups"][0]["rules"][0]["expr"]
+
+
+def _group_twice(rule: dict) -> None:
+    rule["spec"]["groups"].append(copy.deepcopy(rule["spec"]["groups"][0]))
+
+
+# (the object broken, how, the one error its CRD schema gives)
+BROKEN_MONITORING_OBJECTS: list[tuple[str, Callable[[dict], None], str]] = [
+    ("PodMonitor", _port_as_a_number, "spec.podMetricsEndpoints.0.port: 8000 is not of type 'string'"),
+    ("PodMonitor", _interval_in_words,
+     "spec.podMetricsEndpoints.0.interval: '15 seconds' does not match"),
+    ("PodMonitor", _misspelt_field,
+     "spec: Additional properties are not allowed ('podMetricEndpoints' was unexpected)"),
+    ("PrometheusRule", _rule_without_an_expression,
+     "spec.groups.0.rules.0: 'expr' is a required property"),
+    ("PrometheusRule", _group_twice, "spec.groups: duplicate entries in a list of type map"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "break_it", "error"),
+    BROKEN_MONITORING_OBJECTS,
+    ids=[b.__name__.strip("_") for _, b, _ in BROKEN_MONITORING_OBJECTS],
+)
+def test_a_broken_monitoring_object_is_refused_at_its_field(
+    kind: str, break_it: Callable[[dict], None], error: str
+) -> None:
+    obj = next(o for o in monitoring_objects() if o["kind"] == kind)
+    break_it(obj)
+    errors = CRDSchemas(PROMETHEUS_OPERATOR_CRDS).errors(obj)
+    assert len(errors) == 1 and errors[0].startswith(error), errors
 
 
 def test_monitoring_off_renders_no_monitoring_objects() -> None:
