@@ -17,6 +17,8 @@ import openai
 import pytest
 import yaml
 
+from llumnix.control.status import FREENESS_MEANING
+
 pytestmark = [pytest.mark.timeout(300)]
 
 MODEL = "sim"
@@ -121,5 +123,8 @@ def test_up_demo_runs_a_workload_with_a_migration_and_stops(tmp_path: Path, work
     assert process.returncode == 0, output
     assert "finished 16/16" in output
     assert re.search(r"migrations: .*committed \d+", output), output
-    assert "freeness per instance: local-0" in output
+    # each instance's freeness in words (idle, draining, decode steps), never a bare number; its meaning
+    in_words = r"(idle|draining|\d+ decode steps)"
+    assert re.search(rf"freeness per instance: local-0 {in_words}, local-1 {in_words}\n", output), output
+    assert FREENESS_MEANING in output
     assert processes_using(work_dir) == []
