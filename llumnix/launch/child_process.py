@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ from typing import ClassVar
 import aiohttp
 
 START_ERROR_LOG_LINES = 40
+logger = logging.getLogger(__name__)
+
 POLL_INTERVAL_S = 0.05
 HEALTH_POLL_INTERVAL_S = 0.1
 HEALTH_REQUEST_TIMEOUT_S = 2.0
@@ -52,6 +55,22 @@ class ChildCommand:
         handlers crash the child with SIGSEGV before it ever starts."""
         argv = [str(arg) for arg in self.argv]
         return ["nice", "-n", str(self.nice), *argv] if self.nice else argv
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    """Where the kernel groups tasks by session (`sched_autogroup`), niceness counts only inside a
+    session, and the child's session is its own: the whole group gets the increment, or the engines'
+    niceness would weigh nothing against the llumlets'. A kernel without autogroup: nothing to do."""
+    path = Path(f"/proc/{pid}/autogroup")
+    for _ in range(3):  # unprivileged writers may change one autogroup per 100 ms (EAGAIN)
+        try:
+            path.write_text(str(nice))
+            return
+        except BlockingIOError:
+            time.sleep(0.11)
+        except OSError:
+            return
+    logger.warning("the child's session could not be niced", extra={"pid": pid, "nice": nice})
 
 
 class ChildProcess:
@@ -98,6 +117,8 @@ class ChildProcess:
                 cwd=command.cwd,
                 start_new_session=True,
             )
+        if command.nice:
+            _set_autogroup_nice(self._popen.pid, command.nice)
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Until the health URL answers 200; `start_error` when the process exits or `timeout_s` passes."""

@@ -179,3 +179,18 @@ async def test_niced_children_start_while_this_process_is_busy_with_grpc(make_ch
         await asyncio.gather(*callers)
         await channel.close()
         await server.stop(None)
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(),
+                    reason="this kernel does not group tasks by session (no sched_autogroup)")
+async def test_a_niced_child_nices_its_own_session_where_the_kernel_groups_by_session(
+        make_child: ChildFactory) -> None:
+    """Under sched_autogroup niceness weighs only inside a session, and the child's is its own: the
+    increment is set on the session's group too, which its children share."""
+    child = make_child()
+    child.spawn(ChildCommand((sys.executable, "-c", "import time; time.sleep(600)"), nice=3))
+    try:
+        assert Path(f"/proc/{child.pid}/autogroup").read_text().split()[-1] == "3"
+        assert Path("/proc/self/autogroup").read_text().split()[-1] != "3"  # this session is untouched
+    finally:
+        await child.terminate(grace_s=5)
