@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-timeout", type=float, default=60.0, metavar="S",
                         help="longest wait in that queue before a 503 (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=4,
-                        help="instances one request may be tried on (retries, replays, moves; default: "
-                        "%(default)s)")
+                        help="instances one request may be sent to: the first, then one per retry or "
+                        "replay; following a live migration is not an attempt (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=8 << 20, help="default: %(default)s")
     parser.add_argument("--max-tokens", type=int,
                         help="largest max_tokens a client may ask for (default: any)")

@@ -69,7 +69,9 @@ class _Output:
 @dataclass(frozen=True, slots=True)
 class GenerationLimits:
     max_attempts: int = 4
-    """Instances one request may be sent to (retries, replays and moves together)."""
+    """Instances one request may be sent to: the first, then one per retry or replay after a failure.
+    Following a live migration is not an attempt: the request runs on at the destination, however
+    often the control loop moves it, and giving up there would lose it."""
     max_model_len: int | None = None
 
 
@@ -103,9 +105,10 @@ class Generation:
         prefix_root = prompt_tokens.root(body)
         target: Instance | None = None
         attach_id: str | None = None  # after a move: the next call attaches at the destination
-        for attempt in range(self.limits.max_attempts):
-            sub_id = self.request.request_id if attempt == 0 else f"{self.request.request_id}.{attempt}"
-            sub_id = attach_id or sub_id
+        failures = 0
+        while True:
+            sub_id = attach_id or (self.request.request_id if failures == 0
+                                   else f"{self.request.request_id}.{failures}")
             load = RequestLoad(sub_id, self.request.prompt_tokens_estimate + self.out.tokens,
                                high_priority=self.request.high_priority, arrival_time=time.time(),
                                prompt_token_ids=prompt_ids, prefix_root=prefix_root)
@@ -170,9 +173,11 @@ class Generation:
             resume = self._resume(failure, instance, counted=moved is not None)
             if resume is None:
                 return
+            failures += 1
+            if failures >= self.limits.max_attempts:
+                raise RouterError(503, f"the request failed on {self.limits.max_attempts} instances; retry "
+                                  "later", "ServiceUnavailableError", retry_after_s=1.0)
             endpoint, body = resume
-        raise RouterError(503, f"the request failed on {self.limits.max_attempts} instances; retry later",
-                          "ServiceUnavailableError", retry_after_s=1.0)
 
     def _complete(self) -> bool:
         return bool(self.out.finished) and self.out.finished.issuperset(self.out.generated)
