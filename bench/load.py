@@ -168,7 +168,7 @@ def growth(samples: list[Sample], warmup_s: float, window: int) -> dict[str, dic
 
 async def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     service = BenchService(work, name="soak", instances=args.instances, routers=1,
-                         engine_args=engine_args(args))
+                         engine_args=engine_args(args), router_args=("--log-level", args.router_log_level))
     tally, samples, migrations = Tally(), [], Counter[str]()
     async with client_session() as session:
         try:
@@ -285,6 +285,9 @@ def main() -> int:
             mode.add_argument("--sample-every", type=float, default=10.0, help="default: %(default)s")
             mode.add_argument("--warmup", type=float, default=60.0, help="default: %(default)s")
             mode.add_argument("--window", type=int, default=3, help="default: %(default)s")
+            mode.add_argument("--router-log-level", default="warning",
+                              help="info logs every move the router follows (in --work-dir; default: "
+                              "%(default)s)")
     args = parser.parse_args()
     nice_self(args.nice)
     limit = raise_fd_limit()
