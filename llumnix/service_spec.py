@@ -201,6 +201,12 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "scaleDownStabilizationSeconds": _num(
                     30.0, minimum=0.0, desc="scale-down waits until it has been wanted this long"
                 ),
+                "parkSeconds": _num(
+                    60.0,
+                    minimum=0.0,
+                    desc="a drained instance, once empty, is kept this long before it is stopped; "
+                    "a scale-up meanwhile puts it back instead of starting one",
+                ),
             }
         ),
         "priorities": _obj(
@@ -424,6 +430,7 @@ class AutoscalingSpec:
     interval_s: float
     startup_grace_s: float
     scale_down_stabilization_s: float
+    park_s: float
 
 
 @dataclass(frozen=True)
@@ -484,7 +491,8 @@ class ServiceSpec:
                 enabled=autoscaling["enabled"], scale_up_below=autoscaling["scaleUpBelow"],
                 scale_down_above=autoscaling["scaleDownAbove"], interval_s=autoscaling["intervalSeconds"],
                 startup_grace_s=autoscaling["startupGraceSeconds"],
-                scale_down_stabilization_s=autoscaling["scaleDownStabilizationSeconds"]),
+                scale_down_stabilization_s=autoscaling["scaleDownStabilizationSeconds"],
+                park_s=autoscaling["parkSeconds"]),
             priorities=PrioritiesSpec(spec["priorities"]["targetLoadTokens"], spec["priorities"]["header"]),
             router=RouterSpec(router["replicas"], router["port"], router["serviceType"],
                               router.get("apiKeySecret"), ContainerResources(**router["resources"])),
@@ -537,6 +545,7 @@ class ServiceSettings:
             max_instances=instances.max,
             interval_s=a.interval_s,
             startup_delay_s=a.startup_grace_s,
+            park_s=a.park_s,
         )
 
 

@@ -93,7 +93,8 @@ STATUS_SCHEMA: dict[str, Any] = {
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "integer", "jsonPath": ".status.instances.ready"},
     {"name": "Desired", "type": "integer", "jsonPath": ".status.instances.desired"},
-    {"name": "Freeness", "type": "number", "jsonPath": ".status.aggregateFreeness",
+    # priority 1 (`-o wide` only): the raw number, 32759 for an idle service, means little next to Headroom
+    {"name": "Freeness", "type": "number", "jsonPath": ".status.aggregateFreeness", "priority": 1,
      "description": "aggregate freeness (free KV blocks per batched request), the autoscaler's signal"},
     {"name": "Headroom", "type": "string", "jsonPath": ".status.headroom",
      "description": "idle, or decode steps each running request can still take"},

@@ -1,6 +1,7 @@
 """Which instances the control loop wants draining, why and since when, and when a drained one is
-released: once it has reported no requests for a while, or at the drain timeout. Bookkeeping only:
-the fleet tells the llumlets, the reconcile pass stops what is released."""
+released: once it has reported no requests for a while (a scale-down drain: parked for
+`autoscaling.park_s`, `llumnix.policies.autoscaling.release_due`), or at the drain timeout.
+Bookkeeping only: the fleet tells the llumlets, the reconcile pass stops what is released."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from dataclasses import dataclass
 
 from llumnix.control.reporting import Reporter
 from llumnix.load import InstanceLoad
+from llumnix.policies import autoscaling
 
 logger = logging.getLogger("llumnix.control")
 
 EMPTY_BEFORE_RELEASE_S = 1.0
-"""A drained instance must report no requests for this long before it is stopped: a request the
-router dispatched just before the drain may not be listed yet."""
+"""A drained instance must report no requests for at least this long before it is stopped (however
+short its parking): a request the router dispatched just before the drain may not be listed yet."""
 
 
 @dataclass
@@ -80,15 +82,19 @@ class Drains(Mapping[str, Drain]):
         return sorted(i for i, d in self._drains.items() if d.reason != "admin")
 
     def release_due(self, instance_id: str, load: InstanceLoad | None, migrating: bool, now: float,
-                    timeout_s: float) -> bool:
+                    timeout_s: float, park_s: float) -> bool:
         """Whether the draining instance is to be stopped now (then its drain ends here): empty for
-        EMPTY_BEFORE_RELEASE_S, or draining for longer than `timeout_s`."""
+        `park_s` (a scale-down drain; a scale-up meanwhile cancels it) or EMPTY_BEFORE_RELEASE_S
+        (any other), or still holding requests after `timeout_s` of draining."""
         drain = self._drains[instance_id]
-        empty = load is not None and load.num_requests == 0 and load.migrating_out == 0 and not migrating
+        empty = load is not None and autoscaling.drained_empty(load) and not migrating
         drain.empty_since = (drain.empty_since or now) if empty else None
-        if drain.empty_since is not None and now - drain.empty_since >= EMPTY_BEFORE_RELEASE_S:
+        parked_for = max(park_s if drain.reason == "scale-down" else 0.0, EMPTY_BEFORE_RELEASE_S)
+        if autoscaling.release_due(drain.empty_since, now, parked_for):
             self.reporter.decide("release", "drained instance is empty", instance_id)
             self.reporter.event("Normal", "Released", "drained and empty; stopping it", instance_id)
+        elif empty:
+            return False  # parked: a drain timeout is for requests that do not leave
         elif now - drain.since > timeout_s:
             running = load.num_requests if load is not None else "unknown"
             self.reporter.decide("release", f"drain timeout ({timeout_s:.0f} s)", instance_id)

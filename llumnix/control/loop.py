@@ -182,7 +182,9 @@ class ControlLoop:
         if self._autoscaling.target is None and spec.autoscaling.enabled and self._fleet.adoption_done():
             self._autoscaling.adopt_target()
         await self._reconciler.replace_unhealthy(listed, now, spec.autoscaling.startup_grace_s)
-        await self._reconciler.release_drained(now, self._migrations.migrating, self.drain_timeout_s)
+        # Parking is the autoscaler's: a scale-down someone asked for (replicas) releases at once.
+        park_s = self.settings.autoscaling.park_s if spec.autoscaling.enabled else 0.0
+        await self._reconciler.release_drained(now, self._migrations.migrating, self.drain_timeout_s, park_s)
         await self._meet_target()
         if all(i.phase is InstancePhase.READY for i in self._fleet.instances.values()) \
                 and len(self._fleet.instances) >= self.desired:

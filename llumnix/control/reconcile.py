@@ -39,17 +39,26 @@ class Reconciler:
         self.drains.forget(info.instance_id)
         await self.fleet.stop(info.instance_id)
 
-    async def release_drained(self, now: float, migrating: Callable[[str], bool], timeout_s: float) -> None:
-        """Push each READY draining instance's flag; stop those whose drain is done. `migrating(id)`:
-        a MigrateOut from it is in flight."""
+    async def release_drained(self, now: float, migrating: Callable[[str], bool], timeout_s: float,
+                              park_s: float) -> None:
+        """Push each READY draining instance's flag; stop those whose drain is done (`park_s`: how
+        long an emptied scale-down drain is parked first). `migrating(id)`: a MigrateOut from it is
+        in flight."""
         for instance_id in list(self.drains):
             info = self.fleet.instances.get(instance_id)
             if info is None or info.phase is not InstancePhase.READY:
                 continue
             await self.fleet.push_draining(instance_id)
             if self.drains.release_due(instance_id, self.fleet.load(instance_id), migrating(instance_id),
-                                       now, timeout_s):
+                                       now, timeout_s, park_s):
                 await self.fleet.stop(instance_id)
+
+    def _reuse_order(self, instance_ids: list[str], load_model: LoadModelConfig) -> list[str]:
+        """Drains in the order a scale-up puts them back (`autoscaling.reuse_order`: parked, empty
+        ones first); those without a load last."""
+        loads = [load for load in self.fleet.loads() if load.instance_id in instance_ids]
+        order = autoscaling.reuse_order(loads, load_model)
+        return order + [i for i in instance_ids if i not in order]
 
     async def meet_target(self, desired: int, load_model: LoadModelConfig) -> None:
         """Start instances (cancelling scale-down drains first) or remove surplus ones until
@@ -59,7 +68,7 @@ class Reconciler:
         serving = [i for i in live if i.instance_id not in self.drains]
         shortfall = desired - len(serving)
         if shortfall > 0:
-            for instance_id in self.drains.cancellable()[:shortfall]:
+            for instance_id in self._reuse_order(self.drains.cancellable(), load_model)[:shortfall]:
                 self.drains.cancel(instance_id, "instances are needed again")
                 await self.fleet.push_draining(instance_id)
                 shortfall -= 1

@@ -6,9 +6,12 @@
   serving, so a slow start-up neither triggers a stampede nor, as a rule of
   one start-up at a time did, holds a growing backlog to one new instance per start-up delay.
 - Above `scale_down_above` even with one instance's capacity removed: pick the freest instance
-  (ties: fewest requests), mark it draining; migration empties it; once empty it is released.
-- A drain is cancelled (the instance serves again) if load rises so that the cluster without it
-  would need to scale up.
+  (ties: fewest requests), mark it draining; migration empties it.
+- A drained instance, once empty, is parked: kept for `park_s` before it is released
+  (`release_due`). A drain is cancelled (the instance serves again, at once) if load rises so that
+  the cluster without it would need to scale up; a parked instance is the first one reused
+  (`reuse_order`), so a burst soon after a scale-down gets back an instance that serves now
+  instead of one that serves a start-up delay later.
 
 `decide` is pure: the caller keeps the instance list and applies the returned action.
 """
@@ -31,18 +34,22 @@ class AutoscalingConfig:
     startup_delay_s: float = 30.0
     """Time from starting an instance until it serves: the simulator's model, and how far ahead a
     falling aggregate freeness is projected (the control loop uses `startupGraceSeconds`)."""
+    park_s: float = 60.0
+    """How long a drained, empty instance is kept before it is released (0: released at once)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_instances <= self.max_instances:
             raise ValueError("need 0 <= min_instances <= max_instances")
         if self.scale_up_below >= self.scale_down_above:
             raise ValueError("scale_up_below must be lower than scale_down_above")
+        if self.park_s < 0:
+            raise ValueError("park_s must not be negative")
 
 
 @dataclass(frozen=True, slots=True)
 class ScalingAction:
     kind: str
-    """'scale-up', 'drain', 'cancel-drain', 'release' or 'none'."""
+    """'scale-up', 'drain', 'cancel-drain' or 'none' (releases: `release_due`)."""
     instance_id: str | None = None
     reason: str = ""
     aggregate_freeness: float = 0.0
@@ -55,6 +62,26 @@ def drain_candidate(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFA
         return None
     best = max(serving, key=lambda load: (freeness(load, model), -load.num_requests, load.instance_id))
     return best.instance_id
+
+
+def drained_empty(load: InstanceLoad) -> bool:
+    """A draining instance with nothing left on it: no request and no migration either way (an
+    aborted final stage hands its request back to the source)."""
+    return load.draining and load.num_requests == 0 and load.migrating_out == 0 and load.migrating_in == 0
+
+
+def release_due(empty_since: float | None, now: float, park_s: float) -> bool:
+    """Whether a drained instance, empty since `empty_since` (None: not empty), is released now:
+    once it has been parked for `park_s`."""
+    return empty_since is not None and now - empty_since >= park_s
+
+
+def reuse_order(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFAULT_LOAD_MODEL) -> list[str]:
+    """The draining instances in the order a scale-up puts them back: the freest first (a parked,
+    empty one is the freest), then by id."""
+    draining = sorted((load for load in loads if load.draining),
+                      key=lambda load: (-freeness(load, model), load.instance_id))
+    return [load.instance_id for load in draining]
 
 
 def _short_with_starting(
@@ -98,24 +125,26 @@ def decide(
     one start-up delay, so the new instance serves when the cluster gets short, not a start-up delay
     after."""
     serving = [load for load in loads if not load.draining]
-    draining = sorted(load.instance_id for load in loads if load.draining)
-    empty = sorted(load.instance_id for load in loads if load.draining and load.num_requests == 0)
+    reuse = reuse_order(loads, model)
+    # One drain empties at a time; a parked (emptied) instance serves nobody and holds none back.
+    emptying = any(not drained_empty(load) for load in loads if load.draining)
     agg = aggregate_freeness(serving, model)
     ahead = projected_freeness(agg, previous_aggregate, config)
 
-    if empty:
-        return ScalingAction("release", empty[0], "drained instance is empty", agg)
     if len(serving) + starting < config.min_instances:
-        return ScalingAction("scale-up", None, f"fewer than min_instances={config.min_instances}", agg)
+        below = f"fewer than min_instances={config.min_instances}"
+        if reuse:
+            return ScalingAction("cancel-drain", reuse[0], below, agg)
+        return ScalingAction("scale-up", None, below, agg)
     if ahead < config.scale_up_below:
         falling = f"aggregate freeness {agg:.1f}, {ahead:.1f} one start-up ahead"
-        if draining:
-            return ScalingAction("cancel-drain", draining[0], f"{falling}, fell again", agg)
+        if reuse:
+            return ScalingAction("cancel-drain", reuse[0], f"{falling}, fell again", agg)
         room = len(serving) + starting < config.max_instances
         if room and _short_with_starting(serving, starting, config, model):
             return ScalingAction("scale-up", None, f"{falling} < {config.scale_up_below}", agg)
         return ScalingAction("none", None, "scale-up pending or at max_instances", agg)
-    if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
+    if not emptying and starting == 0 and len(serving) > max(1, config.min_instances):
         victim = drain_candidate(serving, model)
         assert victim is not None
         without = aggregate_freeness(serving, model, exclude_capacity_of=victim)

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaling.add_argument("--scale-down-above", type=float, default=defaults.scale_down_above)
     scaling.add_argument("--min-instances", type=int, default=defaults.min_instances)
     scaling.add_argument("--max-instances", type=int, default=defaults.max_instances)
+    scaling.add_argument(
+        "--park-seconds", type=float, default=defaults.park_s,
+        help="a drained instance, once empty, is kept this long; a scale-up meanwhile puts it back",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the per-policy results as JSON")
     parser.add_argument(
         "--experiment", choices=sorted(EXPERIMENTS), help="run one of the paper's experiments"
@@ -106,6 +110,7 @@ def _autoscaling(args: argparse.Namespace) -> AutoscalingConfig | None:
         scale_down_above=args.scale_down_above,
         min_instances=args.min_instances,
         max_instances=args.max_instances,
+        park_s=args.park_seconds,
     )
 
 

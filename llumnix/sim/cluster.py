@@ -6,9 +6,10 @@ Events (a heap of (time, sequence, handler, argument)):
 - the control tick every `migration_interval_s`: migration pairing and request selection with
   `llumnix.policies.migration` (systems that migrate), then a fragmentation sample;
 - the end of a migration stage (`llumnix.sim.migration`);
-- the autoscaling tick every `autoscaling.interval_s` (`llumnix.policies.autoscaling.decide`; a drain
-  only once it has been wanted for `scale_down_stabilization_s`, as in the operator) and
-  the moment a started instance becomes ready.
+- the autoscaling tick every `autoscaling.interval_s`: releases of drained instances parked for
+  `autoscaling.park_s` (`llumnix.policies.autoscaling.release_due`), then
+  `llumnix.policies.autoscaling.decide` (a drain only once it has been wanted for
+  `scale_down_stabilization_s`, as in the operator); and the moment a started instance becomes ready.
 The loop ends when every request has finished.
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llumnix.load import RequestLoad
-from llumnix.policies.autoscaling import decide
+from llumnix.policies.autoscaling import decide, drained_empty, release_due
 from llumnix.policies.dispatch import make_dispatch_policy
 from llumnix.policies.migration import admits, pair_migrations, select_request
 from llumnix.prefix_cache import PrefixIndex, block_hashes, cacheable_blocks
@@ -105,6 +106,8 @@ class Cluster:
         self.pending: list[SimRequest] = []
         """Arrived while no instance could take them (all starting or draining)."""
         self._drain_wanted_since: float | None = None
+        self._empty_since: dict[str, float] = {}
+        """Drained instances found empty at an autoscaling tick (parked), and since when."""
         self._last_aggregate: float | None = None
         self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = 0
@@ -280,6 +283,7 @@ class Cluster:
     def _on_autoscale(self, _: None, now: float) -> None:
         scaling = self.config.autoscaling
         assert scaling is not None
+        self._release_parked(now, scaling.park_s)
         action = decide(
             [instance.snapshot() for instance in self.ready],
             len(self.starting),
@@ -308,16 +312,22 @@ class Cluster:
             instance.set_draining(action.kind == "drain")
             if action.kind == "cancel-drain":
                 self._dispatch_pending()
-        elif action.kind == "release":
-            instance = next(i for i in self.ready if i.instance_id == action.instance_id)
-            # A migration still in flight (an aborted final stage would hand a request back) waits.
-            if instance.num_requests == 0 and instance.migrating_in == 0 and instance.migrating_out == 0:
+        if self.finished < len(self.requests):
+            self._push(now + scaling.interval_s, self._on_autoscale)
+
+    def _release_parked(self, now: float, park_s: float) -> None:
+        empty_since = {}
+        for instance in list(self.ready):
+            if not drained_empty(instance.snapshot()):
+                continue
+            since = empty_since[instance.instance_id] = self._empty_since.get(instance.instance_id, now)
+            if release_due(since, now, park_s):
+                del empty_since[instance.instance_id]
                 self.ready.remove(instance)
                 self.released.append(instance)
                 self.prefix_index.drop(instance.instance_id)
                 self._record_instances()
-        if self.finished < len(self.requests):
-            self._push(now + scaling.interval_s, self._on_autoscale)
+        self._empty_since = empty_since
 
     def _on_instance_ready(self, instance: SimInstance, now: float) -> None:
         self.starting.remove(instance)

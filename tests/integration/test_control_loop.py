@@ -1,7 +1,7 @@
 """The control loop over real local processes (sim engines + llumlets) with the router in front, in
 real time: the llumnix dispatch policy against round-robin on 16 instances, autoscaling up and back
-down with every request completed, replacement of a killed instance, the admin API's drain and
-migrate, and the migration rule under a burst."""
+down with every request completed, a drained instance parked and put back by a scale-up, replacement
+of a killed instance, the admin API's drain and migrate, and the migration rule under a burst."""
 
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ async def test_autoscaling_goes_up_under_load_and_back_down_with_every_request_c
     events: list[ControlEvent] = []
     document = manifest("autoscale", 2, SMALL_ENGINE,
                         autoscaling={"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 60,
-                                     "intervalSeconds": 0.5, "scaleDownStabilizationSeconds": 2},
+                                     "intervalSeconds": 0.5, "scaleDownStabilizationSeconds": 2,
+                                     "parkSeconds": 0},  # released once empty (parking: the next test)
                         migration={"enabled": True, "intervalMs": 100})
     document["spec"]["instances"] = {"min": 2, "max": 4}
     service = await start_service(document, events)
@@ -130,6 +131,41 @@ async def test_autoscaling_goes_up_under_load_and_back_down_with_every_request_c
     assert peak > 2
     reasons = [e.reason for e in events]
     assert "ScaledUp" in reasons and "Draining" in reasons and "Released" in reasons
+
+
+async def test_a_drained_instance_stays_parked_and_a_scale_up_puts_it_back(
+        start_service: StartService) -> None:
+    events: list[ControlEvent] = []
+    document = manifest("park", 1, SMALL_ENGINE,
+                        autoscaling={"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 60,
+                                     "intervalSeconds": 0.5, "scaleDownStabilizationSeconds": 1,
+                                     "parkSeconds": 600},
+                        migration={"enabled": True, "intervalMs": 100})
+    document["spec"]["instances"] = {"min": 1, "max": 2}
+    service = await start_service(document, events)
+    bench = BenchConfig(url=service.router.url, model=MODEL, show_progress=False)
+    trace = generate_trace("S-S", num_requests=60, rate=10.0, cv=1.0, seed=2, max_total_tokens=600)
+
+    def reasons(reason: str) -> list[ControlEvent]:
+        return [e for e in events if e.reason == reason]
+
+    first = await run_bench(bench, trace)  # short on one instance: a second one starts
+    await wait_for(lambda: len(reasons("ScaledUp")) == 2 and service.loop.status().ready == 2, 90,
+                   "the second instance serving")
+    await wait_for(lambda: bool(reasons("Draining")), 90, "a scale-down drain once idle")
+    parked = reasons("Draining")[0].instance_id
+    assert parked is not None
+    await wait_for(lambda: parked in service.loop.draining
+                   and service.loop.draining[parked].empty_since is not None, 60,
+                   "the drained instance empty")
+    second = await run_bench(bench, trace)  # short again: the parked instance is put back
+    await wait_for(lambda: any(e.instance_id == parked for e in reasons("DrainCancelled")), 60,
+                   "the parked instance put back")
+    for result in (first, second):
+        summary = result.summary()
+        assert summary["errors"] == 0 and summary["finished"] == 60, result.errors_by_kind
+    assert parked in service.loop.instances and parked not in service.loop.draining
+    assert reasons("Released") == [] and len(reasons("ScaledUp")) == 2  # kept, and nothing new started
 
 
 async def test_a_killed_instance_is_replaced(start_service: StartService) -> None:

@@ -258,7 +258,7 @@ def start_autoscaled_service(cluster: EmulatedCluster, kubelet: Kubelet, name: s
             "migration": {"intervalMs": 200},
             "autoscaling": {"enabled": True, "scaleUpBelow": 10, "scaleDownAbove": 40,
                             "intervalSeconds": 1, "scaleDownStabilizationSeconds": 3,
-                            "startupGraceSeconds": 120},
+                            "startupGraceSeconds": 120, "parkSeconds": 0},  # deleted once empty
         },
     })
 

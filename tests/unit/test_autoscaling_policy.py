@@ -1,9 +1,19 @@
 """Autoscaling decisions: hand-computed aggregate freeness against the bounds."""
 
+from dataclasses import replace
+
 import pytest
 
 from llumnix.load import InstanceLoad, RequestLoad, aggregate_freeness
-from llumnix.policies.autoscaling import AutoscalingConfig, decide, drain_candidate, projected_freeness
+from llumnix.policies.autoscaling import (
+    AutoscalingConfig,
+    decide,
+    drain_candidate,
+    drained_empty,
+    projected_freeness,
+    release_due,
+    reuse_order,
+)
 
 CFG = AutoscalingConfig(scale_up_below=10, scale_down_above=60, min_instances=1, max_instances=4)
 
@@ -85,10 +95,46 @@ def test_never_below_min_instances_and_never_the_last_one() -> None:
     assert decide([inst("a")], starting=0, config=cfg2).kind == "scale-up"
 
 
-def test_drained_empty_instance_is_released() -> None:
-    loads = [inst("a", 10, 1), inst("b", draining=True)]
+def test_drained_empty_means_no_request_and_no_migration_either_way() -> None:
+    assert drained_empty(inst("b", draining=True))
+    assert not drained_empty(inst("b"))  # serving, not drained
+    assert not drained_empty(inst("b", 10, 1, draining=True))
+    assert not drained_empty(replace(inst("b", draining=True), migrating_out=1))  # its last request leaving
+    # An aborted final stage may hand a request back.
+    assert not drained_empty(replace(inst("b", draining=True), migrating_in=1))
+
+
+def test_an_empty_drained_instance_is_parked_for_the_grace_then_released() -> None:
+    assert not release_due(None, now=500.0, park_s=60.0)  # not empty
+    assert not release_due(100.0, now=159.9, park_s=60.0)
+    assert release_due(100.0, now=160.0, park_s=60.0)
+    assert release_due(100.0, now=100.0, park_s=0.0)  # no parking: released once seen empty
+
+
+def test_a_scale_up_reuses_a_parked_instance_before_starting_one() -> None:
+    # Serving a: (100 - 95) / 5 = 1 < 10. b is parked (empty), c still drains one request.
+    loads = [inst("a", 95, 5), inst("c", 10, 1, draining=True), inst("b", draining=True)]
+    assert reuse_order(loads) == ["b", "c"]  # the parked one is the freest
     action = decide(loads, starting=0, config=CFG)
-    assert action.kind == "release" and action.instance_id == "b"
+    assert action.kind == "cancel-drain" and action.instance_id == "b"
+    assert reuse_order([inst("a", 95, 5)]) == []
+    assert decide([inst("a", 95, 5)], starting=0, config=CFG).kind == "scale-up"
+
+
+def test_a_parked_instance_is_not_released_by_decide_and_holds_no_drain_back() -> None:
+    # Both serving instances idle: one of them drains although b is parked (it serves nobody).
+    loads = [inst("a", 0, 0), inst("x", 0, 0), inst("b", draining=True)]
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "drain" and action.instance_id in ("a", "x")
+    # A drain still emptying (c runs a request) holds the next one back.
+    assert decide([*loads, inst("c", 10, 1, draining=True)], starting=0, config=CFG).kind == "none"
+
+
+def test_below_min_instances_a_parked_instance_is_put_back_first() -> None:
+    cfg = AutoscalingConfig(scale_up_below=10, scale_down_above=60, min_instances=2, max_instances=4)
+    action = decide([inst("a", 0, 0), inst("b", draining=True)], starting=0, config=cfg)
+    assert action.kind == "cancel-drain" and action.instance_id == "b"
+    assert decide([inst("a", 0, 0)], starting=0, config=cfg).kind == "scale-up"
 
 
 def test_drain_in_progress_blocks_a_second_drain() -> None:
@@ -107,6 +153,8 @@ def test_config_validation() -> None:
         AutoscalingConfig(min_instances=5, max_instances=2)
     with pytest.raises(ValueError):
         AutoscalingConfig(scale_up_below=60, scale_down_above=10)
+    with pytest.raises(ValueError):
+        AutoscalingConfig(park_s=-1.0)
 
 
 def test_a_falling_aggregate_scales_up_one_start_up_ahead() -> None:
@@ -125,7 +173,7 @@ def test_a_falling_aggregate_scales_up_one_start_up_ahead() -> None:
 
 
 def test_a_falling_aggregate_cancels_a_drain_before_it_is_short() -> None:
-    # c drains and still runs one request (an empty one would be released first).
+    # c drains and still runs one request.
     loads = [inst("a", 50, 2), inst("b", 50, 2), inst("c", 10, 1, draining=True)]
     assert decide(loads, starting=0, config=CFG).kind == "none"
     action = decide(loads, starting=0, config=CFG, previous_aggregate=31.0)

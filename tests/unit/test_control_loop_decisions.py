@@ -215,7 +215,8 @@ async def test_admin_migrate_names_the_request_and_checks_instances() -> None:
 
 async def test_autoscaling_adds_an_instance_when_the_cluster_is_short_and_drains_one_when_idle() -> None:
     service = settings(instances={"min": 2, "max": 4}, replicas=2,
-                       autoscaling={"enabled": True, "scaleDownStabilizationSeconds": 5.0})
+                       autoscaling={"enabled": True, "scaleDownStabilizationSeconds": 5.0,
+                                    "parkSeconds": 0.0})
     h = Harness(service)
     await h.bring_up()
     h.load("i0", *(request(f"a{k}", 24) for k in range(4)))
@@ -239,6 +240,41 @@ async def test_autoscaling_adds_an_instance_when_the_cluster_is_short_and_drains
     assert h.backend.stopped == ["i1"]
     await h.loop.autoscale()
     assert h.backend.stopped == ["i1"]  # at min_instances
+
+
+async def test_a_drained_instance_is_parked_and_a_scale_up_puts_it_back_instead_of_starting_one() -> None:
+    service = settings(instances={"min": 1, "max": 3},
+                       autoscaling={"enabled": True, "scaleDownStabilizationSeconds": 0.0,
+                                    "parkSeconds": 30.0})
+    h = Harness(service)
+    await h.bring_up()
+    h.load("i0", *(request(f"a{k}", 24) for k in range(4)))  # (100 - 96) / 4 = 1 < 10
+    await h.loop.autoscale()
+    assert await h.bring_up() == ["i0", "i1"]
+    h.load("i0")
+    await h.loop.autoscale()
+    assert list(h.loop.draining) == ["i1"] and h.loop.desired == 1  # both idle: the last by id
+    h.load("i1", draining=True)
+    await h.loop.reconcile()
+    h.clock.now += 29
+    await h.loop.reconcile()
+    assert h.backend.stopped == [] and h.loop.draining["i1"].empty_since is not None  # parked
+    h.load("i0", *(request(f"a{k}", 24) for k in range(4)))  # (100 - 96) / 4 = 1 < 10
+    await h.loop.autoscale()
+    assert h.loop.status().last_decision.kind == "cancel-drain" and "DrainCancelled" in h.reasons()
+    assert not h.loop.draining and h.llumlets["i1"].draining_calls[-1] is False
+    assert h.backend.started == ["i0", "i1"] and h.loop.desired == 2  # nothing started
+    await h.loop.reconcile()
+    assert h.backend.started == ["i0", "i1"] and h.backend.stopped == []
+    # Idle again: drained, parked for the whole 30 s, then stopped.
+    h.load("i0")
+    h.load("i1")
+    await h.loop.autoscale()
+    h.load("i1", draining=True)
+    await h.loop.reconcile()
+    h.clock.now += 30
+    await h.loop.reconcile()
+    assert h.backend.stopped == ["i1"] and "Released" in h.reasons()
 
 
 async def test_a_restarted_loop_adopts_what_exists_and_changes_nothing() -> None:

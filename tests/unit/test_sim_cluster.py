@@ -102,9 +102,9 @@ def test_autoscaling_scales_up_then_drains_and_releases(audited: Counter[str], p
     assert 1 <= result.avg_instances <= 8
 
 
-def first_release_time(stabilization_s: float) -> float:
+def first_release_time(stabilization_s: float, park_s: float = 0.0) -> float:
     """Four instances, a trickle of short requests: the autoscaler (every 10 s) wants to shrink at once."""
-    scaling = AutoscalingConfig(min_instances=1, max_instances=4, interval_s=10.0)
+    scaling = AutoscalingConfig(min_instances=1, max_instances=4, interval_s=10.0, park_s=park_s)
     config = SimConfig(autoscaling=scaling, scale_down_stabilization_s=stabilization_s)
     trace = generate_trace("S-S", 60, rate=0.3, seed=5)
     result = Cluster(trace, system("llumnix"), PROFILE, instances=4, config=config).run()
@@ -117,6 +117,51 @@ def test_scale_down_waits_for_the_stabilization_window() -> None:
     assert first_release_time(0.0) == pytest.approx(20.0)
     # Wanted since 10 s, drained at 40 s (30 s later), released at 50 s.
     assert first_release_time(30.0) == pytest.approx(50.0)
+
+
+def test_a_drained_instance_is_parked_before_it_is_released() -> None:
+    # Drained at 10 s, found empty at 20 s, parked for 60 s: released at 80 s.
+    assert first_release_time(0.0, park_s=60.0) == pytest.approx(80.0)
+
+
+def quiet_then_burst() -> list[TraceRequest]:
+    """A trickle for the first minute (scale-down wanted), then a burst that needs every instance."""
+    quiet = generate_trace("S-S", 15, rate=0.3, seed=4)
+    burst = generate_trace("M-M", 400, rate=12.0, seed=3)
+    return quiet + [replace(t, request_id=t.request_id + 100, arrival_time=60.0 + t.arrival_time)
+                    for t in burst]
+
+
+def autoscaled_ids(park_s: float) -> tuple[list[str], Cluster]:
+    scaling = AutoscalingConfig(min_instances=1, max_instances=4, interval_s=10.0, park_s=park_s)
+    config = SimConfig(autoscaling=scaling, scale_down_stabilization_s=0.0)
+    cluster = Cluster(quiet_then_burst(), system("llumnix"), PROFILE, instances=4, config=config)
+    cluster.run()
+    return sorted(i.instance_id for i in cluster.released + cluster.ready + cluster.starting), cluster
+
+
+def test_a_scale_up_puts_a_parked_instance_back_instead_of_starting_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Released at once, the drained instance is gone when the burst comes: a new one is started.
+    ids, _ = autoscaled_ids(park_s=0.0)
+    assert "i004" in ids
+    flags: list[tuple[str, bool]] = []
+    set_draining = SimInstance.set_draining
+
+    def recorded(self: SimInstance, draining: bool) -> None:
+        flags.append((self.instance_id, draining))
+        set_draining(self, draining)
+
+    monkeypatch.setattr(SimInstance, "set_draining", recorded)
+    # Parked for 5 minutes, the instances drained in the quiet minute (down to min_instances=1) are put
+    # back for the burst, and they serve it: no instance is started or released.
+    ids, cluster = autoscaled_ids(park_s=300.0)
+    drained = [instance_id for instance_id, draining in flags[:3] if draining]
+    assert len(drained) == 3
+    assert sorted(flags[3:6]) == sorted((instance_id, False) for instance_id in drained)
+    assert ids == ["i000", "i001", "i002", "i003"] and not cluster.released
+    for instance_id in drained:
+        assert any(r.instance_id == instance_id and r.arrival_time > 60.0 for r in cluster.requests)
 
 
 def test_chunked_prefill_serves_every_request(audited: Counter[str]) -> None:
