@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import math
 import signal
 import sys
 import tempfile
@@ -83,22 +82,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "printed anyway)")
 
 
+def instance_headroom(instance: InstanceStatus) -> str:
+    return headroom(instance.freeness, instance.block_size, idle=instance.idle, draining=instance.draining)
+
+
 def status_line(status: ServiceStatus, in_flight: int) -> str:
-    def fmt(value: float | None) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.0f}" if math.isfinite(value) else "drain"
-
-    def load(i: InstanceStatus) -> str:
-        return "idle" if i.idle and not i.draining else fmt(i.freeness)
-
-    loads = " ".join(f"{i.instance_id.rsplit('-', 1)[-1]}:{load(i)}" for i in status.instances)
+    rooms = ", ".join(f"{i.instance_id.rsplit('-', 1)[-1]}:{instance_headroom(i)}" for i in status.instances)
+    aggregate = headroom(status.aggregate_freeness, status.block_size, idle=status.idle)
     running = sum(i.running for i in status.instances)
     waiting = sum(i.waiting for i in status.instances)
     migrations = sum(v for k, v in status.migrations.items() if k == "committed")
-    return (f"{status.ready}/{status.desired} ready | freeness {loads or '-'} "
-            f"(aggregate {'idle' if status.idle else fmt(status.aggregate_freeness)}) | running {running} "
-            f"waiting {waiting} in-flight {in_flight} | migrations {migrations}")
+    return (f"{status.ready}/{status.desired} ready | headroom {rooms or '-'} (aggregate {aggregate}) | "
+            f"running {running} waiting {waiting} in-flight {in_flight} | migrations {migrations}")
 
 
 def print_event(event: ControlEvent) -> None:
@@ -249,8 +244,7 @@ async def run_workload(service: LocalService, args: argparse.Namespace, requests
     if note:
         print(f"  {note}")
     print("freeness per instance: " + ", ".join(
-        f"{i.instance_id} {headroom(i.freeness, i.block_size, idle=i.idle, draining=i.draining)}"
-        for i in status.instances))
+        f"{i.instance_id} {instance_headroom(i)}" for i in status.instances))
     print(f"  ({FREENESS_MEANING})")
     return summary["finished"] == summary["requests"]
 

@@ -5,6 +5,9 @@ their titles, units and legends: Grafana is not in Debian, Prometheus and matplo
     .venv/bin/python scripts/render_dashboards.py --prometheus http://127.0.0.1:9090 \\
         --start 1764660000 --end 1764660120 --out docs/figures/dashboards
 
+The dashboards' variables `namespace` and `llmservice` are All (`.*`) unless --namespace /
+--llmservice name one value each (as Grafana does with one selected value: the value, regex-escaped).
+
 tests/integration/test_monitoring_live.py uses the same evaluation to check that every panel has
 data in a real run, and draws docs/figures/dashboards/*.png from that run when
 LLUMNIX_DASHBOARD_FIGURES names a folder (see docs/observability.md).
@@ -23,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS_DIR = ROOT / "charts/llumnix/dashboards"
+ALL = ".*"  # the variables' All value (allValue in the dashboards)
+VARIABLES = {"namespace": ALL, "llmservice": ALL}
 UNITS = {"reqps": "requests/s", "ops": "per second", "s": "seconds", "Bps": "bytes/s", "short": ""}
 
 
@@ -68,10 +73,26 @@ def dashboards(folder: Path = DASHBOARDS_DIR) -> dict[str, tuple[str, list[Panel
     return found
 
 
-def grafana_to_promql(expr: str, scrape_interval_s: float) -> str:
+def selecting(namespace: str | None = None, llmservice: str | None = None) -> dict[str, str]:
+    """The dashboards' variables as Grafana puts them in a query: All is `.*`, one selected value is
+    the value with its regex metacharacters escaped (the backslash doubled inside a PromQL string)."""
+    def one(value: str | None) -> str:
+        return ALL if value is None else re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\\\1", value)
+
+    return {"namespace": one(namespace), "llmservice": one(llmservice)}
+
+
+def grafana_to_promql(expr: str, scrape_interval_s: float, variables: dict[str, str] | None = None) -> str:
     """Substitutes what Grafana would: $__rate_interval is max(step + scrape interval, 4 scrape
-    intervals) at a step of one scrape interval."""
-    return expr.replace("$__rate_interval", f"{round(4 * scrape_interval_s * 1000)}ms")
+    intervals) at a step of one scrape interval; $namespace and $llmservice are the variables' values
+    (default All: `.*`)."""
+    values = VARIABLES | (variables or {})
+    values["__rate_interval"] = f"{round(4 * scrape_interval_s * 1000)}ms"
+    reference = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+    unknown = {m.group(1) or m.group(2) for m in reference.finditer(expr)} - set(values)
+    if unknown:
+        raise ValueError(f"{expr}: no value for {sorted(unknown)}")
+    return reference.sub(lambda m: values[m.group(1) or m.group(2)], expr)
 
 
 def legend(template: str, labels: dict[str, str]) -> str:
@@ -88,12 +109,13 @@ def query_range(prometheus: str, expr: str, start: float, end: float, step: floa
     return answer["data"]["result"]
 
 
-def evaluate(prometheus: str, panel: Panel, start: float, end: float,
-             scrape_interval_s: float) -> list[Series]:
-    """Every series each of the panel's queries returns over [start, end], as Grafana would draw it."""
+def evaluate(prometheus: str, panel: Panel, start: float, end: float, scrape_interval_s: float,
+             variables: dict[str, str] | None = None) -> list[Series]:
+    """Every series each of the panel's queries returns over [start, end], as Grafana would draw it
+    with those variables (default: All)."""
     series = []
     for target in panel.targets:
-        expr = grafana_to_promql(target.expr, scrape_interval_s)
+        expr = grafana_to_promql(target.expr, scrape_interval_s, variables)
         for result in query_range(prometheus, expr, start, end, scrape_interval_s):
             points = tuple((float(t), float(v)) for t, v in result["values"])
             series.append(Series(legend(target.legend, result["metric"]), points))
@@ -135,10 +157,12 @@ def draw(title: str, panels: list[tuple[Panel, list[Series]]], path: Path, start
     plt.close(figure)
 
 
-def render(prometheus: str, start: float, end: float, out: Path, scrape_interval_s: float) -> list[Path]:
+def render(prometheus: str, start: float, end: float, out: Path, scrape_interval_s: float,
+           variables: dict[str, str] | None = None) -> list[Path]:
     written = []
     for stem, (title, panels) in dashboards().items():
-        data = [(panel, evaluate(prometheus, panel, start, end, scrape_interval_s)) for panel in panels]
+        data = [(panel, evaluate(prometheus, panel, start, end, scrape_interval_s, variables))
+                for panel in panels]
         draw(title, data, out / f"{stem}.png", start, end)
         written.append(out / f"{stem}.png")
     return written
@@ -152,8 +176,11 @@ def main() -> None:
     parser.add_argument("--end", type=float, required=True, help="unix time")
     parser.add_argument("--scrape-interval", type=float, default=1.0, help="seconds (the query step)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs/figures/dashboards")
+    parser.add_argument("--namespace", help="the LLMServices' namespace (default: All)")
+    parser.add_argument("--llmservice", help="one LLMService (default: All)")
     args = parser.parse_args()
-    for path in render(args.prometheus, args.start, args.end, args.out, args.scrape_interval):
+    variables = selecting(args.namespace, args.llmservice)
+    for path in render(args.prometheus, args.start, args.end, args.out, args.scrape_interval, variables):
         print(path)
 
 

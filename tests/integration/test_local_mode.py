@@ -102,7 +102,7 @@ def test_up_serves_the_openai_sdk_and_admin_then_stops_cleanly_on_sigterm(tmp_pa
         assert "local-0" in admin.stdout and "local-1" in admin.stdout
         assert "2 ready / 2 desired" in admin.stdout
 
-        read_until(process, r"2/2 ready \| freeness", 30)  # the live status line
+        read_until(process, r"2/2 ready \| headroom", 30)  # the live status line
         process.send_signal(signal.SIGTERM)
         read_until(process, r"^stopped", 60)
         assert process.wait(timeout=30) == 0

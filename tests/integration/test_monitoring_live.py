@@ -3,7 +3,12 @@ two sim engines (its router and llumlets) and the cluster-in-a-test (the operato
 deploys and every engine pod's llumlet, each pod a real sim engine + llumlet) while a load spike
 scales the cluster's service up and its fall drains a pod by live migration; then every query of
 every dashboard panel, evaluated by that Prometheus over the run through its HTTP API
-(/api/v1/query_range, as Grafana does), returns data.
+(/api/v1/query_range, as Grafana does), returns data. The cluster's router and llumlet targets carry
+the labels the chart's PodMonitors attach (`namespace`, `llmservice`), the `llumnix up` ones none (as
+scraped outside Kubernetes): with the dashboards' namespace / LLMService variables at All every query
+sees both services, with the cluster's service selected every per-service query has data of that
+service alone (a migration latency quantile may be NaN: may_have_no_quantile), and with a service that
+does not exist none has data.
 
 With LLUMNIX_DASHBOARD_FIGURES=<folder> the run also draws each dashboard from that data
 (scripts/render_dashboards.py), which is how docs/figures/dashboards/*.png are made."""
@@ -12,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +25,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -41,26 +45,37 @@ from llumnix_operator.http_endpoint import OperatorEndpoint
 from llumnix_operator.metrics import OPERATOR_METRICS
 from llumnix_operator.naming import LLUMLET_HTTP_PORT
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not found: scripts/setup.sh installs Debian's "
-                       "prometheus package where apt-get can run as root (see docs/observability.md)"),
+    pytest.mark.usefixtures("prometheus_path"),  # skips (or fails) before the cluster starts for nothing
 ]
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_INTERVAL_S = 1.0
 ROUTER_PORT = 8000
+SERVICE = "live"
+"""The cluster's LLMService."""
+F = 'namespace=~"$namespace", llmservice=~"$llmservice"'
+"""The dashboards' filter on router and llumlet series."""
 ZERO_IN_A_GOOD_RUN = {
-    "llumnix_llumlet_recent_preemptions": "no engine is overloaded into preempting requests",
-    "llumnix_llumlet_waiting_requests": "a sim engine runs every request it admits while it has blocks",
-    'llumnix_llumlet_load_source{source="metrics-fallback"}': "every sim engine publishes its snapshots",
-    "sum(llumnix_router_queue_length)": "the router queues only while every instance is busy",
-    "sum(rate(llumnix_router_retries_total[$__rate_interval]))": "no dispatch fails",
-    "sum(rate(llumnix_router_replays_total[$__rate_interval]))": "no stream breaks",
+    f"llumnix_llumlet_recent_preemptions{{{F}}}": "no engine is overloaded into preempting requests",
+    f"llumnix_llumlet_waiting_requests{{{F}}}":
+        "a sim engine runs every request it admits while it has blocks",
+    f'llumnix_llumlet_load_source{{source="metrics-fallback", {F}}}':
+        "every sim engine publishes its snapshots",
+    f"sum(llumnix_router_queue_length{{{F}}})": "the router queues only while every instance is busy",
+    f"sum(rate(llumnix_router_retries_total{{{F}}}[$__rate_interval]))": "no dispatch fails",
+    f"sum(rate(llumnix_router_replays_total{{{F}}}[$__rate_interval]))": "no stream breaks",
     "sum by (stage) (rate(llumnix_operator_errors_total[$__rate_interval]))": "no reconcile or tick fails",
 }
 """Queries that may stay at zero in this run, with the reason; every query must return data and every
 other one must show a non-zero value at some point (the scale-up, the migrations, the drain)."""
+
+
+def may_have_no_quantile(expr: str) -> bool:
+    """A migration latency quantile of the cluster's service alone: its migrations that surely were
+    scraped may all be a drained pod's, whose last scrape may come before they end (every histogram
+    rate at 0 makes the quantile NaN); the committed migration the test waits for is `llumnix up`'s."""
+    return expr.startswith("histogram_quantile(") and "llumnix_llumlet_migration_" in expr
 
 
 def free_port() -> int:
@@ -75,15 +90,20 @@ class Prometheus:
 
     JOBS = ("router", "llumlet", "operator")
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, binary: str, work: Path) -> None:
+        self.binary = binary
         self.work = work
         self.url = ""
         self._process: subprocess.Popen | None = None
 
-    def set_targets(self, job: str, addresses: list[str]) -> None:
+    def set_targets(self, job: str, addresses: Sequence[str], labelled: Sequence[str] = (),
+                    labels: dict[str, str] | None = None) -> None:
+        """The job's targets: the addresses without target labels of their own, the labelled ones with
+        the labels."""
         path = self.work / f"{job}.json"
         staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps([{"targets": sorted(addresses)}]))
+        groups = [{"targets": sorted(addresses)}, {"targets": sorted(labelled), "labels": labels or {}}]
+        staged.write_text(json.dumps(groups))
         staged.replace(path)  # atomic: prometheus never reads half a file
 
     def query(self, expr: str) -> list[dict]:
@@ -110,7 +130,7 @@ class Prometheus:
             address = f"127.0.0.1:{free_port()}"
             self.url = f"http://{address}"
             self._process = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={self.work / 'prometheus.yml'}",
+                [self.binary, f"--config.file={self.work / 'prometheus.yml'}",
                  f"--storage.tsdb.path={self.work / 'data'}", f"--web.listen-address={address}",
                  "--log.level=warn"],
                 stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -184,7 +204,8 @@ class LocalService:
 
 class TargetFeeder:
     """Keeps the target files current: the routers, every llumlet (the local service's and every engine
-    pod's), the operator."""
+    pod's), the operator. The cluster's pods carry the labels the chart's PodMonitors attach:
+    Prometheus Operator's `namespace` and `llmservice` from the pod label llumnix.io/service."""
 
     def __init__(self, prometheus: Prometheus, local: LocalService, kubelet: Kubelet,
                  operator_port: int) -> None:
@@ -199,8 +220,9 @@ class TargetFeeder:
         while not self._stop.wait(0.25):
             routers = [f"{pod.ip}:{ROUTER_PORT}" for pod in list(self.kubelet.routers.values())]
             llumlets = [f"{pod.ip}:{LLUMLET_HTTP_PORT}" for pod in list(self.kubelet.pods.values())]
-            self.prometheus.set_targets("router", [self.local.router, *routers])
-            self.prometheus.set_targets("llumlet", [*self.local.llumlets, *llumlets])
+            labels = {"namespace": self.kubelet.namespace, "llmservice": SERVICE}
+            self.prometheus.set_targets("router", [self.local.router], routers, labels)
+            self.prometheus.set_targets("llumlet", self.local.llumlets, llumlets, labels)
 
     def __enter__(self) -> TargetFeeder:
         self._thread.start()
@@ -212,10 +234,10 @@ class TargetFeeder:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
+def prometheus(prometheus_path: str, tmp_path: Path) -> Iterator[Prometheus]:
     work = tmp_path / "prometheus"
     work.mkdir()
-    with Prometheus(work) as server:
+    with Prometheus(prometheus_path, work) as server:
         yield server
 
 
@@ -237,11 +259,11 @@ def test_every_dashboard_panel_has_data_in_prometheus(
     render = load_script("render_dashboards")
 
     def ready() -> int:
-        live = cluster.emulator.live("llmservices").get("live", {})
+        live = cluster.emulator.live("llmservices").get(SERVICE, {})
         return ((live.get("status") or {}).get("instances") or {}).get("ready", 0)
 
     def engine_pods() -> set[str]:
-        return {n for n in cluster.emulator.live("pods") if n.startswith("live-engine-")}
+        return {n for n in cluster.emulator.live("pods") if n.startswith(f"{SERVICE}-engine-")}
 
     def in_prometheus(expr: str) -> bool:
         return bool(prometheus.query(expr))
@@ -250,7 +272,7 @@ def test_every_dashboard_panel_has_data_in_prometheus(
             operator_and_kubelet(cluster) as (kubelet, runner), \
             TargetFeeder(prometheus, local, kubelet, operator_endpoint.port):
         start = time.time()  # scraping starts
-        url = start_autoscaled_service(cluster, kubelet, "live")
+        url = start_autoscaled_service(cluster, kubelet, SERVICE)
 
         with Load(url, clients=8) as spike:  # a scale-up
             wait_for(lambda: ready() >= 2 and len(engine_pods()) >= 2, 180, "a scale-up by the autoscaler")
@@ -272,6 +294,7 @@ def test_every_dashboard_panel_has_data_in_prometheus(
         for llumlet in local.llumlets:  # the local service was scraped too
             assert in_prometheus(f'max_over_time(llumnix_llumlet_total_blocks{{instance="{llumlet}"}}[10m])')
         assert in_prometheus(f'llumnix_router_requests_total{{instance="{local.router}",status="200"}} > 0')
+        namespace = kubelet.namespace
         end = time.time()
     assert runner.exception is None, runner.output
     failures = spike.failures + trickle.failures + local_load.failures
@@ -297,6 +320,33 @@ def test_every_dashboard_panel_has_data_in_prometheus(
     print(f"\n[prometheus] {evaluated} panel queries over {end - start:.0f} s, peak {peak} pods, "
           f"{spike.ok + trickle.ok} requests to the cluster, {local_load.ok} to `llumnix up`; "
           f"all with data, {len(ZERO_IN_A_GOOD_RUN)} allowed to stay at zero")
+
+    # the namespace / LLMService variables: the cluster's service alone, then one that does not exist
+    selected = render.selecting(namespace, SERVICE)
+    nowhere = render.selecting(namespace, "no-such-service")
+    empty, leaked, unfiltered, filtered = [], [], [], 0
+    for title, panels in render.dashboards().values():
+        for panel in panels:
+            for target in panel.targets:
+                if "$llmservice" not in target.expr:  # the operator's own series
+                    continue
+                filtered += 1
+                one = render.Panel(panel.dashboard, panel.title, panel.unit, (target,))
+                where = f"{title} / {panel.title}: {target.expr}"
+                series = render.evaluate(prometheus.url, one, start, end, SCRAPE_INTERVAL_S, selected)
+                if not any(s.has_value for s in series) and not may_have_no_quantile(target.expr):
+                    empty.append(where)
+                leaked += [f"{where}: {s.legend}" for s in series if "local-" in s.legend]
+                if render.evaluate(prometheus.url, one, start, end, SCRAPE_INTERVAL_S, nowhere):
+                    unfiltered.append(where)
+    assert filtered > 25
+    assert not empty, f"panel queries without data for {namespace}/{SERVICE}:\n" + "\n".join(empty)
+    assert not leaked, "the `llumnix up` service's instances in the cluster service's panels:\n" + \
+        "\n".join(leaked)
+    assert not unfiltered, "panel queries with data for a service that does not exist:\n" + \
+        "\n".join(unfiltered)
+    print(f"[prometheus] {filtered} per-service panel queries: data for {namespace}/{SERVICE} alone, "
+          "none for a service that does not exist")
 
     figures = os.environ.get("LLUMNIX_DASHBOARD_FIGURES")
     if figures:

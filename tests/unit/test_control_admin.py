@@ -44,18 +44,21 @@ async def test_status_lists_instances_with_their_loads(admin: tuple[Harness, Tes
     assert body["aggregate_freeness"] == pytest.approx(200 - 10)  # both seen as one, 1 request
 
 
-def test_local_mode_status_line_shows_the_aggregate_freeness() -> None:
-    status = ServiceStatus("svc", 2, (InstanceStatus("svc-0", "ready", "a:1", 20.0, running=2),
-                                      InstanceStatus("svc-1", "ready", "b:1", 40.0, running=1)),
+def test_local_mode_status_line_shows_the_headroom_per_instance_and_aggregate() -> None:
+    status = ServiceStatus("svc", 2, (InstanceStatus("svc-0", "ready", "a:1", 20.0, running=2, block_size=16),
+                                      InstanceStatus("svc-1", "ready", "b:1", 40.0, running=1, block_size=16),
+                                      InstanceStatus("svc-2", "ready", "c:1", float("-inf"), running=1,
+                                                     draining=True, block_size=16)),
                            aggregate_freeness=27.4)
-    assert "freeness 0:20 1:40 (aggregate 27)" in status_line(status, in_flight=0)
+    line = status_line(status, in_flight=0)
+    assert "headroom 0:320 decode steps, 1:640 decode steps, 2:draining (aggregate 438 decode steps)" in line
 
 
 def test_an_idle_instance_reads_as_idle_not_as_its_free_blocks() -> None:
     idle = InstanceStatus("svc-0", "ready", "a:1", 32759.0, block_size=16)
     busy = InstanceStatus("svc-1", "ready", "b:1", 12.5, running=4, block_size=16)
     status = ServiceStatus("svc", 2, (idle, busy), aggregate_freeness=6553.0)
-    assert "freeness 0:idle 1:12" in status_line(status, in_flight=4)
+    assert "headroom 0:idle, 1:200 decode steps" in status_line(status, in_flight=4)
     assert headroom(idle.freeness, idle.block_size, idle=idle.idle) == "idle"
     assert headroom(busy.freeness, busy.block_size, idle=busy.idle) == "200 decode steps"
     assert headroom(float("-inf"), 16, idle=False, draining=True) == "draining"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from llumnix.service_spec import ServiceSettings, validate_spec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_pod
 from llumnix_operator.handlers import owned_objects
+from llumnix_operator.router import router_deployment
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (dev extra)")
 kubernetes_validate = pytest.importorskip(
@@ -120,6 +122,43 @@ def test_monitoring_objects_and_dashboards_when_asked() -> None:
         assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
         (name, text), = config_map["data"].items()
         assert json.loads(text) == json.loads((CHART / "dashboards" / name).read_text())
+
+
+POD_LABEL_META = "__meta_kubernetes_pod_label_"
+
+
+def pod_label_meta_labels(pod: dict) -> set[str]:
+    """The names Prometheus's pod discovery gives a pod's labels (each character outside [a-zA-Z0-9_]
+    becomes _)."""
+    return {POD_LABEL_META + re.sub(r"[^a-zA-Z0-9_]", "_", key) for key in pod["metadata"]["labels"]}
+
+
+def test_each_pod_monitor_selects_its_pods_and_names_a_port_and_labels_they_have() -> None:
+    """A PodMonitor whose selector matches no pod, or whose port its pods lack, scrapes nothing without
+    a word: each must select exactly the pods it is for (the operator's, and the router and engine pods
+    the operator builds) and name one of their container ports and labels."""
+    docs = render({"monitoring": {"enabled": True}})
+    monitors = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodMonitor"}
+    settings = ServiceSettings("llama", "prod", validate_spec({"model": {"name": "llama"}}))
+    config = BuildConfig()
+    pods = {  # the pod (or pod template) each monitor is for
+        "rel-llumnix-operator": next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"],
+        "rel-llumnix-operator-routers": router_deployment(settings, config)["spec"]["template"],
+        "rel-llumnix-operator-engines": engine_pod(settings, config),
+    }
+    assert set(monitors) == set(pods)
+    for name, monitor in monitors.items():
+        assert set(monitor["selector"]) == {"matchLabels"}, name  # the one kind of selector read here
+        wanted = monitor["selector"]["matchLabels"].items()
+        selected = [other for other, pod in pods.items() if wanted <= pod["metadata"]["labels"].items()]
+        assert selected == [name]
+        containers = pods[name]["spec"]["containers"]
+        ports = {port["name"] for container in containers for port in container.get("ports", ())}
+        for endpoint in monitor["podMetricsEndpoints"]:
+            assert endpoint["port"] in ports, name
+            sources = {label for r in endpoint.get("relabelings", ()) for label in r["sourceLabels"]}
+            pod_labels_read = {label for label in sources if label.startswith(POD_LABEL_META)}
+            assert pod_labels_read <= pod_label_meta_labels(pods[name]), name
 
 
 MONITORING_GROUP = "monitoring.coreos.com/"
