@@ -83,6 +83,28 @@ def _container_resources(cpu: str, memory: str, desc: str) -> dict:
     )
 
 
+def _placement(pods: str) -> dict[str, dict]:
+    """Where `pods` are scheduled: Kubernetes' own pod spec fields, copied into each pod's spec as they
+    are (the API server checks their contents when it gets the pod); unset, the pods have none."""
+    def kubernetes_object() -> dict[str, Any]:  # a new dict each time: no YAML anchors in the CRD
+        return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+    return {
+        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"},
+                         "description": f"node labels {pods} require (pod spec nodeSelector)"},
+        "tolerations": {"type": "array", "items": kubernetes_object(),
+                        "description": f"taints {pods} tolerate (pod spec tolerations)"},
+        "affinity": {**kubernetes_object(),
+                     "description": f"node affinity, pod affinity and anti-affinity of {pods} (pod spec "
+                     "affinity, a Kubernetes Affinity)"},
+        "topologySpreadConstraints": {
+            "type": "array", "items": kubernetes_object(),
+            "description": f"how {pods} spread over zones or nodes (pod spec topologySpreadConstraints); "
+            "none by default",
+        },
+    }
+
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     {
         "model": _obj(
@@ -133,11 +155,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                         "tensorParallelSize": _int(1, 1),
                         "memory": _quantity("memory request/limit, e.g. 32Gi"),
                         "cpu": _quantity("CPU request, e.g. '4'"),
-                        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-                        "tolerations": {
-                            "type": "array",
-                            "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                        },
+                        **_placement("engine pods"),
                     }
                 ),
             }
@@ -235,6 +253,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 },
                 "apiKeySecret": {"type": "string", "description": "Secret whose `keys` entry lists API keys"},
                 "resources": _container_resources("500m", "512Mi", "the router container's (cluster mode)"),
+                **_placement("router pods"),
             }
         ),
         "llumlet": _obj(
@@ -355,7 +374,8 @@ def _validated(spec: Any) -> dict:
 
 
 # The typed `.spec`: one frozen dataclass per object of SPEC_SCHEMA, field for field (camelCase keys
-# become snake_case; absent optional strings are None). Built only from a validated dict.
+# become snake_case; absent optional strings are None; the four pod placement fields, wherever they
+# sit, are one PodPlacement). Built only from a validated dict.
 
 
 @dataclass(frozen=True)
@@ -372,13 +392,33 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class PodPlacement:
+    """The scheduling fields of a pod (`_placement`), as written; empty: not set."""
+
+    node_selector: Mapping[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: Mapping[str, Any]
+    topology_spread_constraints: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def from_validated(cls, parent: dict) -> PodPlacement:
+        """The placement fields of `parent` (engine.resources or router)."""
+        return cls(
+            node_selector=dict(parent.get("nodeSelector") or {}),
+            tolerations=tuple(parent.get("tolerations") or ()),
+            affinity=dict(parent.get("affinity") or {}),
+            topology_spread_constraints=tuple(parent.get("topologySpreadConstraints") or ()),
+        )
+
+
+@dataclass(frozen=True)
 class EngineResources:
     gpus: int
     tensor_parallel_size: int
     memory: str | None
     cpu: str | None
-    node_selector: Mapping[str, str]
-    tolerations: tuple[dict[str, Any], ...]
+    placement: PodPlacement
+    """nodeSelector, tolerations, affinity, topologySpreadConstraints."""
 
 
 @dataclass(frozen=True)
@@ -446,6 +486,8 @@ class RouterSpec:
     service_type: str
     api_key_secret: str | None
     resources: ContainerResources
+    placement: PodPlacement
+    """nodeSelector, tolerations, affinity, topologySpreadConstraints."""
 
 
 @dataclass(frozen=True)
@@ -476,8 +518,7 @@ class ServiceSpec:
                 resources=EngineResources(
                     gpus=resources["gpus"], tensor_parallel_size=resources["tensorParallelSize"],
                     memory=resources.get("memory"), cpu=resources.get("cpu"),
-                    node_selector=dict(resources.get("nodeSelector") or {}),
-                    tolerations=tuple(resources.get("tolerations") or ()))),
+                    placement=PodPlacement.from_validated(resources))),
             replicas=spec.get("replicas"),
             instances=InstancesSpec(spec["instances"]["min"], spec["instances"]["max"]),
             dispatch=DispatchSpec(spec["dispatch"]["policy"], spec["dispatch"]["busyFreeness"],
@@ -495,7 +536,8 @@ class ServiceSpec:
                 park_s=autoscaling["parkSeconds"]),
             priorities=PrioritiesSpec(spec["priorities"]["targetLoadTokens"], spec["priorities"]["header"]),
             router=RouterSpec(router["replicas"], router["port"], router["serviceType"],
-                              router.get("apiKeySecret"), ContainerResources(**router["resources"])),
+                              router.get("apiKeySecret"), ContainerResources(**router["resources"]),
+                              PodPlacement.from_validated(router)),
             llumlet_resources=ContainerResources(**spec["llumlet"]["resources"]),
         )
 

@@ -26,6 +26,7 @@ from llumnix_operator.naming import (
     service_account_name,
     template_hash,
 )
+from llumnix_operator.placement import pod_placement
 from llumnix_operator.pod_security import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
@@ -225,10 +226,7 @@ def engine_pod_template(settings: ServiceSettings, config: BuildConfig) -> dict[
     }
     if config.image_pull_secrets:
         pod_spec["imagePullSecrets"] = config.pull_secrets()
-    if resources.node_selector:
-        pod_spec["nodeSelector"] = dict(resources.node_selector)
-    if resources.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(list(resources.tolerations))
+    pod_spec.update(pod_placement(resources.placement))  # only the fields the spec sets
     return {"metadata": {"labels": labels(name, ENGINE)}, "spec": pod_spec}
 
 

@@ -3,12 +3,15 @@ the desired manifest, leave alone what already matches (and what is made once: i
 
 Only the fields the desired manifest sets are compared and patched (a JSON merge patch of the desired
 manifest), so what the API server defaults and what other writers add (annotations, labels of their
-own, status) is never fought over. Calls are synchronous (the official client); the handlers run them
-in a thread."""
+own, status) is never fought over. A field the operator set before and no longer sets is named by the
+caller (`absent`): it is removed (null in the merge patch) if the live object still has it. Calls are
+synchronous (the official client); the handlers run them in a thread."""
 
 from __future__ import annotations
 
+import copy
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +69,26 @@ def covers(live: Any, desired: Any) -> bool:
     return live == desired
 
 
+def value_at(obj: Any, path: Sequence[str]) -> Any:
+    """The value at `path` (keys) inside `obj`; None where any step is missing."""
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def with_removals(manifest: dict[str, Any], absent: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """`manifest` as a JSON merge patch that also removes each path in `absent` (a null there)."""
+    patch = copy.deepcopy(manifest)
+    for path in absent:
+        node = patch
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = None
+    return patch
+
+
 class Ensurer:
     def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
         self.api_client = api_client
@@ -77,7 +100,9 @@ class Ensurer:
         kind = _KINDS[key]
         return kind.api(self.api_client), kind
 
-    def ensure(self, manifest: dict[str, Any]) -> Outcome:
+    def ensure(self, manifest: dict[str, Any], absent: Sequence[Sequence[str]] = ()) -> Outcome:
+        """Create, patch or leave the object `manifest` describes. `absent`: paths of fields the manifest
+        leaves out that the live object must not have either (fields the operator set before)."""
         api, kind = self._api(manifest)
         methods = kind.methods
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
@@ -95,7 +120,10 @@ class Ensurer:
             return Outcome.CREATED
         if kind.create_only:
             return Outcome.UNCHANGED
-        if covers(self.api_client.sanitize_for_serialization(live), manifest):
+        live = self.api_client.sanitize_for_serialization(live)
+        stale = [path for path in absent if value_at(live, path) is not None]
+        if covers(live, manifest) and not stale:
             return Outcome.UNCHANGED
-        getattr(api, f"patch_{methods}")(name, namespace, manifest, _content_type=MERGE_PATCH)
+        patch = with_removals(manifest, stale)
+        getattr(api, f"patch_{methods}")(name, namespace, patch, _content_type=MERGE_PATCH)
         return Outcome.PATCHED

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -24,7 +25,7 @@ from llumnix_operator.logs import service_context
 from llumnix_operator.metrics import OPERATOR_METRICS
 from llumnix_operator.naming import ENGINE, ROUTER, owner_reference
 from llumnix_operator.network_policy import engine_network_policy
-from llumnix_operator.router import router_deployment, router_service
+from llumnix_operator.router import router_deployment, router_fields_to_clear, router_service
 from llumnix_operator.service_runner import ServiceRunner
 from llumnix_operator.service_token_secret import token_secret
 
@@ -60,13 +61,22 @@ def owned_objects(settings: ServiceSettings, config: BuildConfig) -> list[dict[s
 
 
 def ensure_owned(
-    settings: ServiceSettings, owner: dict[str, Any], config: BuildConfig
+    settings: ServiceSettings,
+    owner: dict[str, Any],
+    config: BuildConfig,
+    old_spec: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Outcome]]:
+    """Create or patch every owned object; `old_spec` (the spec before this change, if it is one) names
+    the router placement fields to remove from its Deployment."""
     ensurer = Ensurer(api_client())
+    router_clear = router_fields_to_clear(settings, old_spec)
     results = []
     for manifest in owned_objects(settings, config):
         manifest["metadata"]["ownerReferences"] = [owner_reference(owner)]
-        results.append((f"{manifest['kind']}/{manifest['metadata']['name']}", ensurer.ensure(manifest)))
+        absent = router_clear if manifest["kind"] == "Deployment" else []  # the router is the one Deployment
+        results.append(
+            (f"{manifest['kind']}/{manifest['metadata']['name']}", ensurer.ensure(manifest, absent))
+        )
     return results
 
 
@@ -81,8 +91,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
 async def reconcile(
-    body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, logger: logging.Logger, **_: Any
+    body: kopf.Body,
+    spec: kopf.Spec,
+    name: str,
+    namespace: str,
+    logger: logging.Logger,
+    old: Any = None,
+    **_: Any,
 ) -> None:
+    """`old`: on a spec change, the spec before it (kopf scopes it to `field`); None on create/resume."""
     try:
         settings = ServiceSettings(name, namespace, validate_spec(dict(spec)))
     except SpecError as exc:
@@ -92,7 +109,9 @@ async def reconcile(
         return
     started = time.perf_counter()
     try:
-        results = await asyncio.to_thread(ensure_owned, settings, dict(body), BuildConfig.from_env())
+        old_spec = old if isinstance(old, Mapping) else None
+        config = BuildConfig.from_env()
+        results = await asyncio.to_thread(ensure_owned, settings, dict(body), config, old_spec)
     except Exception:
         OPERATOR_METRICS.reconciles.labels("error").inc()
         OPERATOR_METRICS.errors.labels("reconcile").inc()

@@ -4,6 +4,7 @@ Service, and the Service clients connect to."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from llumnix.service_spec import ServiceSettings
@@ -19,6 +20,7 @@ from llumnix_operator.naming import (
     selector,
     service_account_name,
 )
+from llumnix_operator.placement import dropped_placement, pod_placement
 from llumnix_operator.pod_security import (
     CONTAINER_SECURITY_CONTEXT,
     POD_SECURITY_CONTEXT,
@@ -98,6 +100,7 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
     }
     if config.image_pull_secrets:
         pod_spec["imagePullSecrets"] = config.pull_secrets()
+    pod_spec.update(pod_placement(router.placement))  # only the fields the spec sets; no default spread
     model = model_volume(settings.spec.model.source)
     if model is not None and tokenizes_prompts(settings):
         pod_spec["volumes"].append(model[0])
@@ -120,6 +123,17 @@ def router_deployment(settings: ServiceSettings, config: BuildConfig) -> dict[st
             "template": {"metadata": {"labels": labels(name, ROUTER)}, "spec": pod_spec},
         },
     }
+
+
+def router_fields_to_clear(
+    settings: ServiceSettings, old_spec: Mapping[str, Any] | None
+) -> list[tuple[str, ...]]:
+    """Paths in the router Deployment of the placement fields the previous spec `old_spec` set under
+    `spec.router` and `settings` no longer sets: the ensurer removes them from the live Deployment
+    (its merge patch of `router_deployment` would leave them in place)."""
+    old_router = old_spec.get("router") if isinstance(old_spec, Mapping) else None
+    dropped = dropped_placement(old_router, settings.spec.router.placement)
+    return [("spec", "template", "spec", field) for field in dropped]
 
 
 def router_service(settings: ServiceSettings) -> dict[str, Any]:

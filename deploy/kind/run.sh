@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End to end on a kind cluster with sim engines: build the image, install the chart, apply an
 # LLMService, send requests through its router, scale up, kill a pod, scale down (drain, then delete),
-# and check that every request succeeded. Exits 0 with "skipped: ..." where docker/kind are missing.
+# and check that every request succeeded. The namespace enforces Pod Security's "restricted" profile. Exits 0 with "skipped: ..." where docker/kind are missing.
 #
 #   deploy/kind/run.sh            # KEEP_CLUSTER=1 keeps the cluster afterwards
 set -euo pipefail
@@ -41,6 +41,9 @@ kind load docker-image "$image" --name "$cluster"
 
 step "installing the chart"
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
+# Pod Security admission enforces the "restricted" profile here: the operator's pod, and every engine and
+# router pod it creates, is refused if it does not meet it (the run then fails waiting for them).
+kubectl label namespace "$ns" pod-security.kubernetes.io/enforce=restricted --overwrite
 helm upgrade --install llumnix "$root/charts/llumnix" --namespace "$ns" --wait --timeout 180s \
   --set image.repository=llumnix --set image.tag=kind --set image.pullPolicy=Never \
   --set operator.allNamespaces=false

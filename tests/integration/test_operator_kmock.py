@@ -81,6 +81,15 @@ def wait_for_ticks(count: int, timeout: float = 60.0) -> None:
     wait_for(lambda: ticks() >= target, timeout=timeout, what=f"{count} control-loop ticks")
 
 
+ENGINE_AFFINITY = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+    "weight": 100,
+    "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchLabels": {"llumnix.io/service": "llama"}}},
+}]}}
+ROUTER_SPREAD = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+                 "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "router"}}}
+
+
 def llmservice(replicas: int = 2) -> dict:
     return {
         "apiVersion": f"{G}/{V}",
@@ -90,8 +99,9 @@ def llmservice(replicas: int = 2) -> dict:
             "model": {"name": "tiny"},
             "replicas": replicas,
             "instances": {"min": 1, "max": 4},
-            "engine": {"runtime": "sim", "resources": {"gpus": 0}},
+            "engine": {"runtime": "sim", "resources": {"gpus": 0, "affinity": ENGINE_AFFINITY}},
             "autoscaling": {"startupGraceSeconds": 600},
+            "router": {"nodeSelector": {"pool": "cpu"}, "topologySpreadConstraints": [ROUTER_SPREAD]},
         },
     }
 
@@ -145,7 +155,11 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
             for name, obj in objects.items():
                 refs = obj["metadata"].get("ownerReferences") or []
                 assert [r["uid"] for r in refs] == [uid], f"{plural}/{name} is not owned by the LLMService"
-        router = owned["deployments"]["llama-router"]["spec"]["template"]["spec"]["containers"][0]
+        router_pod = owned["deployments"]["llama-router"]["spec"]["template"]["spec"]
+        assert router_pod["nodeSelector"] == {"pool": "cpu"}  # placement, as the spec gives it
+        assert router_pod["topologySpreadConstraints"] == [ROUTER_SPREAD]
+        assert all(p["spec"]["affinity"] == ENGINE_AFFINITY for p in engine_pods(cluster).values())
+        router = router_pod["containers"][0]
         assert router["image"] == "reg/llumnix:test"
         assert "llama-llumlets.default.svc:50051" in router["args"]
 
@@ -178,20 +192,23 @@ def test_apply_scale_fail_and_restart(cluster: EmulatedCluster) -> None:
         wait_for(lambda: len(engine_pods(cluster)) == 3, what="a third engine pod")
         wait_for(lambda: status_of(cluster)["instances"]["desired"] == 3, what="desired 3 in the status")
 
-        # A spec change reaches the owned objects.
+        # A spec change reaches the owned objects; a placement field removed from the spec leaves the
+        # router Deployment too (its merge patch alone would leave it there).
         custom.patch_namespaced_custom_object(
             G,
             V,
             NS,
             P,
             "llama",
-            {"spec": {"router": {"replicas": 3}}},
+            {"spec": {"router": {"replicas": 3, "nodeSelector": None}}},
             _content_type="application/merge-patch+json",
         )
-        wait_for(
-            lambda: cluster.emulator.live("deployments")["llama-router"]["spec"]["replicas"] == 3,
-            what="router scaled to 3",
+        deployment = wait_for(
+            lambda: (d := cluster.emulator.live("deployments")["llama-router"])["spec"]["replicas"] == 3
+            and "nodeSelector" not in d["spec"]["template"]["spec"] and d,
+            what="router scaled to 3 without its nodeSelector",
         )
+        assert deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] == [ROUTER_SPREAD]
 
         # A failed pod is deleted and replaced.
         set_pod_status(cluster, second, {"phase": "Failed", "message": "OOMKilled"})

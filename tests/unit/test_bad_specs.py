@@ -130,6 +130,18 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
         SCHEMA,
     ),
     ("no router", {"spec": {"router": {"replicas": 0}}}, "spec.router.replicas", SCHEMA),
+    (
+        "router spread as one constraint, not a list",
+        {"spec": {"router": {"topologySpreadConstraints": {"maxSkew": 1, "topologyKey": "zone"}}}},
+        "spec.router.topologySpreadConstraints",
+        SCHEMA,
+    ),
+    (
+        "engine affinity as a node name",
+        {"spec": {"engine": {"resources": {"affinity": "gpu-node-1"}}}},
+        "spec.engine.resources.affinity",
+        SCHEMA,
+    ),
     ("misspelt replicas", {"spec": {"replica": 3}}, "spec.replica", UNKNOWN),
     ("misspelt nested field", {"spec": {"migration": {"treshold": 2}}}, "spec.migration.treshold", UNKNOWN),
     ("name too long for its Services", {"metadata": {"name": "a" * 55}}, "metadata.name", CEL),

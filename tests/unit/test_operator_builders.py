@@ -15,8 +15,9 @@ from llumnix_operator.engine_pod import SNAPSHOT_ADDR, engine_pod, engine_pod_te
 from llumnix_operator.handlers import owned_objects
 from llumnix_operator.llumlet_service import llumlets_service
 from llumnix_operator.naming import ENGINE, ROUTER, TEMPLATE_HASH_ANNOTATION, owner_reference
+from llumnix_operator.placement import PLACEMENT_FIELDS
 from llumnix_operator.pod_security import WRITABLE_ENV
-from llumnix_operator.router import router_deployment, router_service
+from llumnix_operator.router import router_deployment, router_fields_to_clear, router_service
 
 CONFIG = BuildConfig(image="reg/llumnix:1", vllm_image="reg/llumnix-vllm:1", drain_timeout_s=100)
 
@@ -338,3 +339,79 @@ def test_router_and_llumlet_get_resources_from_the_spec_defaults() -> None:
         "requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
     llumlet = next(c for c in engine_pod(s, CONFIG)["spec"]["containers"] if c["name"] == "llumlet")
     assert llumlet["resources"]["requests"] == {"cpu": "1", "memory": "512Mi"}
+
+
+PLACEMENT = {
+    "nodeSelector": {"pool": "serving"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]}
+        ]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"llumnix.io/service": "llama"}}},
+        }]},
+    },
+    "topologySpreadConstraints": [{
+        "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": {"llumnix.io/service": "llama"}},
+    }],
+}
+
+
+def router_pod_spec(s: ServiceSettings) -> dict:
+    return router_deployment(s, CONFIG)["spec"]["template"]["spec"]
+
+
+def test_placement_reaches_engine_and_router_pods_as_written() -> None:
+    s = settings(engine={"resources": PLACEMENT}, router=PLACEMENT)
+    for pod_spec in (engine_pod(s, CONFIG)["spec"], router_pod_spec(s)):
+        assert {field: pod_spec[field] for field in PLACEMENT_FIELDS} == PLACEMENT
+    # Copies: a built manifest shares nothing with the settings (or with the next one built).
+    engine_pod(s, CONFIG)["spec"]["affinity"]["nodeAffinity"].clear()
+    router_pod_spec(s)["tolerations"][0]["key"] = "changed"
+    assert {field: engine_pod(s, CONFIG)["spec"][field] for field in PLACEMENT_FIELDS} == PLACEMENT
+    assert {field: router_pod_spec(s)[field] for field in PLACEMENT_FIELDS} == PLACEMENT
+
+
+@pytest.mark.parametrize("field", PLACEMENT_FIELDS)
+def test_each_placement_field_goes_only_where_it_is_set(field: str) -> None:
+    engine_only = settings(engine={"resources": {field: PLACEMENT[field]}})
+    router_only = settings(router={field: PLACEMENT[field]})
+    assert engine_pod(engine_only, CONFIG)["spec"][field] == PLACEMENT[field]
+    assert router_pod_spec(router_only)[field] == PLACEMENT[field]
+    for pod_spec in (router_pod_spec(engine_only), engine_pod(router_only, CONFIG)["spec"]):
+        assert not set(PLACEMENT_FIELDS) & set(pod_spec)
+
+
+def test_no_placement_field_without_a_setting() -> None:
+    # No default affinity or spread: pods and the router Deployment are built as before these fields.
+    s = settings()
+    assert not set(PLACEMENT_FIELDS) & set(engine_pod(s, CONFIG)["spec"])
+    assert not set(PLACEMENT_FIELDS) & set(router_pod_spec(s))
+    empty = settings(engine={"resources": {"nodeSelector": {}, "tolerations": [], "affinity": {},
+                                           "topologySpreadConstraints": []}})
+    assert engine_pod_template(empty, CONFIG) == engine_pod_template(s, CONFIG)
+
+
+def test_engine_placement_changes_the_template_hash_router_placement_does_not() -> None:
+    def template_hash(s: ServiceSettings) -> str:
+        return engine_pod(s, CONFIG)["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+
+    base = template_hash(settings())
+    assert template_hash(settings(router=PLACEMENT)) == base
+    assert template_hash(settings(engine={"resources": {"affinity": PLACEMENT["affinity"]}})) != base
+
+
+def test_router_placement_dropped_from_the_spec_is_named_for_removal() -> None:
+    old = {"model": {"name": "llama-7b"}, "router": PLACEMENT}
+    kept = {"nodeSelector": PLACEMENT["nodeSelector"]}
+    dropped = ("tolerations", "affinity", "topologySpreadConstraints")
+    assert router_fields_to_clear(settings(router=kept), old) == [
+        ("spec", "template", "spec", field) for field in dropped
+    ]
+    assert router_fields_to_clear(settings(router=PLACEMENT), old) == []
+    assert router_fields_to_clear(settings(), None) == []  # create / resume: nothing to compare with
+    assert router_fields_to_clear(settings(), {"model": {"name": "llama-7b"}}) == []

@@ -86,9 +86,20 @@ def test_operator_built_manifests_are_valid() -> None:
                         "gpus": 1,
                         "memory": "32Gi",
                         "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 50, "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"llumnix.io/service": "llama"}}}}]}},
                     }
                 },
-                "router": {"apiKeySecret": "keys"},
+                "router": {
+                    "apiKeySecret": "keys",
+                    "nodeSelector": {"pool": "cpu"},
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                        "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "router"}}}],
+                },
             }
         ),
     )

@@ -5,11 +5,16 @@ import pytest
 from llumnix.service_spec import (
     InstancesSpec,
     ModelSource,
+    PodPlacement,
     SpecError,
     load_service_file,
     parse_service,
     validate_spec,
 )
+
+AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}
+SPREAD = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
 
 
 def manifest(**spec) -> dict:
@@ -80,7 +85,8 @@ def test_every_given_field_reaches_the_typed_spec() -> None:
             model={"name": "llama-7b", "path": "llama-2-7b", "source": {"pvc": "models", "subPath": "l"}},
             engine={"runtime": "sim", "image": "img", "args": ["--x"], "blockSize": 32,
                     "resources": {"gpus": 2, "tensorParallelSize": 2, "memory": "8Gi", "cpu": "4",
-                                  "nodeSelector": {"gpu": "a10"}, "tolerations": [{"key": "gpu"}]}},
+                                  "nodeSelector": {"gpu": "a10"}, "tolerations": [{"key": "gpu"}],
+                                  "affinity": AFFINITY, "topologySpreadConstraints": [SPREAD]}},
             replicas=3,
             instances={"min": 2, "max": 5},
             dispatch={"policy": "round-robin", "busyFreeness": 1.5, "topK": 2},
@@ -89,14 +95,16 @@ def test_every_given_field_reaches_the_typed_spec() -> None:
             autoscaling={"enabled": True, "scaleUpBelow": 5, "scaleDownAbove": 50, "intervalSeconds": 2,
                          "startupGraceSeconds": 20, "scaleDownStabilizationSeconds": 7},
             priorities={"targetLoadTokens": 800, "header": "x-p"},
-            router={"replicas": 2, "port": 9000, "serviceType": "NodePort", "apiKeySecret": "keys"},
+            router={"replicas": 2, "port": 9000, "serviceType": "NodePort", "apiKeySecret": "keys",
+                    "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "cpu"}], "affinity": AFFINITY,
+                    "topologySpreadConstraints": [SPREAD]},
         )
     ).spec
     assert (spec.model.path, spec.model.source) == ("llama-2-7b", ModelSource("models", "l"))
     assert (spec.engine.image, spec.engine.args, spec.engine.block_size) == ("img", ("--x",), 32)
     res = spec.engine.resources
     assert (res.gpus, res.tensor_parallel_size, res.memory, res.cpu) == (2, 2, "8Gi", "4")
-    assert res.node_selector == {"gpu": "a10"} and res.tolerations == ({"key": "gpu"},)
+    assert res.placement == PodPlacement({"gpu": "a10"}, ({"key": "gpu"},), AFFINITY, (SPREAD,))
     assert spec.replicas == 3 and spec.instances == InstancesSpec(2, 5)
     assert (spec.dispatch.policy, spec.dispatch.busy_freeness, spec.dispatch.top_k) == ("round-robin", 1.5, 2)
     m = spec.migration
@@ -108,6 +116,12 @@ def test_every_given_field_reaches_the_typed_spec() -> None:
     assert (spec.priorities.target_load_tokens, spec.priorities.header) == (800, "x-p")
     r = spec.router
     assert (r.replicas, r.port, r.service_type, r.api_key_secret) == (2, 9000, "NodePort", "keys")
+    assert r.placement == PodPlacement({"pool": "cpu"}, ({"key": "cpu"},), AFFINITY, (SPREAD,))
+
+
+def test_placement_is_empty_unless_given() -> None:
+    spec = parse_service(manifest()).spec
+    assert spec.engine.resources.placement == spec.router.placement == PodPlacement({}, (), {}, ())
 
 
 @pytest.mark.parametrize(
