@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 POLL_S = 0.02
+T = TypeVar("T")
 
 
 async def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
@@ -16,3 +18,26 @@ async def wait_until(condition: Callable[[], object], what: str, timeout_s: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(POLL_S)
+
+
+async def wait_until_async(condition: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 30.0,
+                           poll_s: float = POLL_S) -> T:
+    """`wait_until` for a condition that must itself await (an RPC, an HTTP request); returns its first
+    truthy answer."""
+    deadline = time.monotonic() + timeout_s
+    while not (answer := await condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(poll_s)
+    return answer
+
+
+def wait_until_sync(condition: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:
+    """`wait_until` for a test that runs outside an event loop (blocking sockets, threads); returns
+    the condition's first truthy answer."""
+    deadline = time.monotonic() + timeout_s
+    while not (answer := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(POLL_S)
+    return answer

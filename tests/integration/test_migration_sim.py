@@ -145,9 +145,9 @@ async def _reference(node: Llumlet, body: dict[str, Any], request_id: str) -> li
 
 
 async def _after_tokens(stream: Stream, count: int) -> None:
-    while len(stream.tokens) < count:
-        assert stream.error is None and not stream.finish_reason, "the request ended too early"
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: len(stream.tokens) >= count or stream.error is not None or stream.finish_reason,
+                     f"{count} tokens streamed", timeout_s=60)
+    assert len(stream.tokens) >= count, f"the request ended too early: {stream.error or stream.finish_reason}"
 
 
 async def test_migrated_request_continues_at_the_destination_with_the_same_tokens(cluster: Cluster) -> None:
@@ -291,8 +291,7 @@ async def test_router_follows_a_migrated_stream_by_attaching(cluster: Cluster,
     migrated: list[mpb.MigrateOutResponse] = []
 
     async def migrate_once() -> None:
-        while len(tokens) < 20:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: len(tokens) >= 20, "20 tokens streamed through the router", timeout_s=60)
         for source, destination in ((cluster.a, cluster.b), (cluster.b, cluster.a)):
             result = await source.migrate_out(destination)
             if result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED:

@@ -38,6 +38,7 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from waiting import wait_until, wait_until_async
 from zeroing_kv_relay import ZeroingKVRelay
 
 from llumnix.engine.handshake import default_handshake_path, migration_key, read_handshake, write_handshake
@@ -533,9 +534,8 @@ async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
                         tokens.extend(choice.get("token_ids") or [])
 
     reading = asyncio.create_task(client())
-    while len(tokens) < 20:
-        assert not reading.done(), "the request ended before the migration"
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: len(tokens) >= 20 or reading.done(), "20 tokens streamed", timeout_s=120)
+    assert len(tokens) >= 20, "the request ended before the migration"
     with pytest.raises(grpc.aio.AioRpcError) as died:  # the source kills itself mid-call
         await a.migration.MigrateOut(mpb.MigrateOutRequest(
             destination_instance_id="b", destination_address=b.pair.grpc_address), timeout=60)
@@ -561,8 +561,12 @@ async def test_destination_death_mid_stage_aborts_and_the_source_continues(nodes
     run = Run.start(a, "kill", body)
     await run.until(10)
     migration = asyncio.create_task(_migrate(a, b, "kill"))
-    while not (await b.api.GetLoad(pb.GetLoadRequest())).migrating_in:  # accepted: stages begin
-        await asyncio.sleep(0.001)
+
+    async def accepted() -> bool:  # stages begin
+        assert not migration.done(), f"the migration ended before b accepted it: {migration.result()}"
+        return bool((await b.api.GetLoad(pb.GetLoadRequest())).migrating_in)
+
+    await wait_until_async(accepted, "b to accept the migration", timeout_s=60, poll_s=0.001)
     b.pair.kill_engine()
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result

@@ -5,11 +5,11 @@ sends them where there is room, so its P99 time to first token is lower."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
 from service_auth import SERVICE_TOKEN
+from waiting import wait_until
 
 from llumnix.bench import BenchConfig, run_bench
 from llumnix.launch.pair import EnginePair
@@ -34,8 +34,8 @@ async def p99_ttft(addresses: list[str], policy: str) -> tuple[float, int]:
     router = Router(config, ListInstanceSource(addresses))
     await router.start()
     try:
-        while len(router.instances.dispatchable()) < len(addresses):
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: len(router.instances.dispatchable()) == len(addresses),
+                         f"all {len(addresses)} instances dispatchable", timeout_s=60)
         result = await run_bench(BenchConfig(url=router.url, model=MODEL, show_progress=False), TRACE)
     finally:
         await router.shutdown()

@@ -2,10 +2,9 @@
 are sent by the sender thread to a destination's staging service and written into another cache, over
 tcp and over a gloo pair channel (the path NCCL takes on GPUs)."""
 
-import time
-
 import pytest
 import torch
+from waiting import wait_until_sync
 
 from llumnix.engine.handshake import migration_key
 from llumnix.engine.kv_blocks import KVBlockCopier
@@ -27,10 +26,7 @@ def _cache(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _wait(events: list[MigrationEvent], count: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(events) < count:
-        assert time.monotonic() < deadline, f"only {len(events)} events: {events}"
-        time.sleep(0.01)
+    wait_until_sync(lambda: len(events) >= count, f"{count} migration events")
 
 
 @pytest.fixture
@@ -108,10 +104,8 @@ def test_staging_leases_expire_without_engine_steps() -> None:
 
         staging.store.put(KVStageHeader(schema_version=1, migration_id="idle", num_blocks=1, num_tokens=3,
                                         payload_bytes=64, bytes_per_block=64, dtype="float32"), b"x" * 64)
-        deadline = time.monotonic() + 5
-        while staging.store.staged_tokens("idle"):
-            assert time.monotonic() < deadline, "the reaper never expired the idle staging"
-            time.sleep(0.05)
+        wait_until_sync(lambda: not staging.store.staged_tokens("idle"),
+                        "the reaper to expire the idle staging")
         assert staging.store.bytes_held == 0
     finally:
         staging.close()

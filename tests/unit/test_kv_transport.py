@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from waiting import wait_until_sync
 
 from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.engine.kv_staging import StagingStore
@@ -211,8 +212,14 @@ def test_sender_reconnects_after_the_receiver_restarts() -> None:
     try:
         assert sender.send(_header("m", 1, 0, 1, 1), _blocks(1)).ok
         first.close()
-        time.sleep(0.1)
-        second = TcpKVReceiver(host, port, staging=staging, kv_secret=SECRET)
+
+        def listening_again() -> TcpKVReceiver | None:
+            try:
+                return TcpKVReceiver(host, port, staging=staging, kv_secret=SECRET)
+            except OSError:  # the closed listener's port is not free yet
+                return None
+
+        second = wait_until_sync(listening_again, f"port {port} free to listen on again", timeout_s=10)
         second.start()
         try:
             assert sender.send(_header("m", 2, 0, 1, 2), _blocks(2)).ok

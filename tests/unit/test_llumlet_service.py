@@ -4,6 +4,7 @@ the gRPC API as loads; draining, health and admission behave as documented while
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -14,6 +15,7 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from waiting import wait_until_async
 
 from llumlet.server import Llumlet, LlumletConfig
 from llumnix.engine.snapshots import SNAPSHOT_SCHEMA_VERSION, SnapshotPublisher
@@ -50,13 +52,14 @@ def _snapshot(step: int, free: int) -> EngineSnapshot:
 async def _publish_until_seen(stub: llumlet_pb2_grpc.LlumletStub, publisher: SnapshotPublisher,
                               free: int) -> pb.InstanceLoad:
     # ZeroMQ drops what is published before the subscription is in place: repeat until it lands.
-    for step in range(1, 200):
-        publisher.publish(_snapshot(step, free))
+    steps = itertools.count(1)
+
+    async def landed() -> pb.InstanceLoad | None:
+        publisher.publish(_snapshot(next(steps), free))
         load = await stub.GetLoad(pb.GetLoadRequest())
-        if load.free_blocks == free:
-            return load
-        await asyncio.sleep(0.02)
-    raise AssertionError("the snapshot never reached the llumlet")
+        return load if load.free_blocks == free else None
+
+    return await wait_until_async(landed, "the snapshot to reach the llumlet")
 
 
 async def test_snapshots_become_loads_with_the_load_models_numbers(llumlet: tuple) -> None:

@@ -4,12 +4,14 @@ leases, aborts and refusals leave nothing behind (staging dropped, load back to 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from aiohttp import web
 from waiting import wait_until
@@ -18,6 +20,7 @@ from llumlet.admission import Admission
 from llumlet.engine_client import EngineClient, EngineUnavailableError
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
+from llumlet.migration import destination as destination_module
 from llumlet.migration.destination import Destination
 from llumlet.migration.engine_link import EngineCommandRefused
 from llumlet.migration.settings import MigrationSettings
@@ -178,18 +181,39 @@ async def test_concurrency_bound_counts_migrations_in_and_out(destination: tuple
     assert not duplicate.accepted
 
 
-async def test_leases_expire_unless_renewed(destination: tuple) -> None:
+class _Clock:
+    """Stands in for the destination module's `time`: its monotonic clock moves only when the test moves
+    it, so a lease lasts exactly as long as the test says however slowly the machine runs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_leases_expire_unless_renewed(destination: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     node, link = destination
+    clock = _Clock()
+    monkeypatch.setattr(destination_module, "time", clock)
+    lease = node.settings.lease_s
+    kept = mpb.RenewMigrationRequest(migration_id="kept")
+    lost = mpb.RenewMigrationRequest(migration_id="lost")
     assert (await node.propose(_proposal("kept", 4))).accepted
     assert (await node.propose(_proposal("lost", 4))).accepted
+    proposed = clock.now
     expiry = asyncio.create_task(node.expire())
     try:
-        for _ in range(8):
-            await asyncio.sleep(0.1)
-            assert node.renew(mpb.RenewMigrationRequest(migration_id="kept")).ok
+        clock.now = proposed + lease / 2
+        assert node.renew(kept).ok
+        clock.now = proposed + lease * 1.25  # "lost" is past due; the renewed "kept" has a quarter left
         await link.wait_dropped(["lost"])
-        assert not node.renew(mpb.RenewMigrationRequest(migration_id="lost")).ok
+        assert not node.renew(lost).ok
         assert _load(node) == (5, 1)
+        clock.now += lease * 2  # renewals stop: "kept" runs out too
+        await link.wait_dropped(["lost", "kept"])
+        assert not node.renew(kept).ok
+        assert _load(node) == (0, 0)
     finally:
         expiry.cancel()
         await asyncio.gather(expiry, return_exceptions=True)
@@ -217,17 +241,22 @@ async def test_a_request_moving_out_is_marked_in_the_load(destination: tuple) ->
 
 
 class SlowEngine(EngineClient):
-    """An engine slow to its first token (its stream then breaks: the request is over either way)."""
+    """An engine slow to its first token: its stream breaks (the request is over either way) only once
+    the test sets `answer`, so the commit is still waiting for as long as the test needs it to."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.answer = asyncio.Event()
 
     async def open_stream(self, endpoint: object, body: object) -> aiohttp.ClientResponse:
-        await asyncio.sleep(0.5)
+        await self.answer.wait()
         raise EngineUnavailableError("no first token")
 
 
 async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_staging(
         destination: tuple) -> None:
     node, link = destination
-    node.admission.engine = SlowEngine("http://127.0.0.1:9")
+    engine = node.admission.engine = SlowEngine("http://127.0.0.1:9")
     proposal = _proposal("m1", 4)
     proposal.endpoint = pb.ENDPOINT_COMPLETION
     assert (await node.propose(proposal)).accepted
@@ -240,18 +269,20 @@ async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_st
     answer = node.abort(mpb.AbortMigrationRequest(migration_id="m1", reason="commit timed out"))
     assert answer.released and _load(node) == (0, 0)
     await link.wait_dropped(["m1"])
+    engine.answer.set()  # the abort takes effect once the engine answers the stream's opening
     await wait_until(lambda: not node.admission.running("req-m1"), "the resumed request stopped")
     assert node.attach("req-m1") is None
 
 
-async def _slow_engine(first_token_after_s: float) -> web.AppRunner:
-    """An OpenAI-style engine whose streams send their first token late, then one token a step."""
+async def _slow_engine(first_token: asyncio.Event) -> web.AppRunner:
+    """An OpenAI-style engine whose streams send their first token once `first_token` is set, then one
+    token a step until the client goes away (only an abort ends them)."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        await asyncio.sleep(first_token_after_s)
-        for token in range(50):
+        await first_token.wait()
+        for token in itertools.count():
             chunk = {"id": "x", "object": "text_completion", "model": "m",
                      "choices": [{"index": 0, "text": "t", "token_ids": [token], "finish_reason": None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -267,9 +298,13 @@ async def _slow_engine(first_token_after_s: float) -> web.AppRunner:
 
 
 async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_attach(
-        destination: tuple) -> None:
-    node, _ = destination
-    runner = await _slow_engine(first_token_after_s=0.6)  # twice the fixture's 0.3 s lease
+        destination: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    node, link = destination
+    clock = _Clock()
+    monkeypatch.setattr(destination_module, "time", clock)
+    lease = node.settings.lease_s
+    first_token = asyncio.Event()
+    runner = await _slow_engine(first_token)
     port = runner.addresses[0][1]
     node.admission.engine = EngineClient(f"http://127.0.0.1:{port}")
     expiry = asyncio.create_task(node.expire())
@@ -277,16 +312,27 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
         proposal = _proposal("m1", 4)
         proposal.endpoint = pb.ENDPOINT_COMPLETION
         assert (await node.propose(proposal)).accepted
-        answer = await node.commit(mpb.CommitMigrationRequest(
-            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63))
+        # Proposed alongside and never committed: its expiry shows a sweep ran past the lease.
+        assert (await node.propose(_proposal("witness", 4))).accepted
+        commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
+            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
+        await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+        clock.now += lease * 2  # the first token is slower than the lease
+        await wait_until(lambda: "witness" in link.dropped, "a sweep expiring the witness's lease")
+        assert link.dropped == ["witness"], "the committing migration was released as expired"
+        assert not commit.done() and node.admission.running("req-m1")
+        first_token.set()
+        answer = await commit
         assert answer.ok, answer.reason
         assert node.admission.running("req-m1")  # not aborted as unattached while it had no token
         # The caller never attaches: its lease runs out after the answer.
+        clock.now += lease * 2
         await wait_until(lambda: not node.admission.running("req-m1"), "the unattached request aborted")
         assert node.attach("req-m1") is None
     finally:
         expiry.cancel()
         await asyncio.gather(expiry, return_exceptions=True)
+        first_token.set()  # a stream still waiting for it then ends with its client
         await node.admission.engine.close()
         await runner.cleanup()
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 from dispatch_reference import random_load, random_request, reference_choice
+from waiting import wait_until
 
 from llumnix.load import InstanceLoad, RequestLoad
 from llumnix.openai_stream import EndpointKind
@@ -99,7 +100,7 @@ async def test_a_held_request_goes_where_a_request_ended_before_the_next_load_sh
     a.in_flight.update({"x", "y"})
     queues.append(DispatchQueue(Dispatcher(make_dispatch_policy("llumnix"), instances), 4, timeout_s=5.0))
     held = asyncio.create_task(queues[0].acquire(request(1, tokens=480), high_priority=False))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: len(queues[0]) == 1, "the request held in the queue")
     assert not held.done()
     a.release("x")  # its stream ended: 50 blocks are free, the load still lists it
     assert await asyncio.wait_for(held, 1.0) is a
@@ -133,8 +134,8 @@ async def test_queue_orders_by_priority_then_arrival_and_is_bounded() -> None:
         instance.release(r.request_id)
 
     tasks = [asyncio.create_task(wait(r)) for r in (request(1), request(2), request(3, high=True))]
-    await asyncio.sleep(0.01)
-    assert len(queue) == 3 and not served
+    await wait_until(lambda: len(queue) == 3, "the three requests queued")
+    assert not served
     with pytest.raises(RouterError) as err:
         await queue.acquire(request(4), False)
     assert err.value.status == 503 and err.value.retry_after_s is not None
@@ -149,8 +150,10 @@ async def test_queue_timeout_and_cancellation_release_everything() -> None:
     with pytest.raises(RouterError) as err:
         await queue.acquire(request(1), False)
     assert err.value.status == 503 and "within" in err.value.body["error"]["message"]
+    assert len(queue) == 0
+    queue.timeout_s = 60.0  # the next request must still be waiting when the test cancels it
     task = asyncio.create_task(queue.acquire(request(2), False))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: len(queue) == 1, "the request queued")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -1,6 +1,7 @@
-import asyncio
 import time
 from pathlib import Path
+
+from waiting import wait_until
 
 from llumnix.engine.engine_snapshot import EngineState, RequestRow
 from llumnix.engine.snapshot_pump import SnapshotPump
@@ -67,8 +68,11 @@ async def test_capture_error_skips_a_refresh_without_killing_the_pump(tmp_path: 
 async def test_close_stops_publishing(tmp_path: Path):
     addr = f"ipc://{tmp_path}/engine.sock"
     pump = SnapshotPump(SnapshotPublisher(addr), "e", 32, lambda: state(free=1), idle_refresh_s=0.02)
-    await asyncio.sleep(0.1)
-    pump.close()
+    try:
+        await wait_until(lambda: pump.published > 0, "the pump's first idle refresh")
+    finally:
+        pump.close()
     published = pump.published
-    await asyncio.sleep(0.1)
+    # close() joins the publishing thread: with it gone nothing can publish again (no window to wait out).
+    assert not pump._thread.is_alive()
     assert published > 0 and pump.published == published
