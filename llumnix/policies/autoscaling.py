@@ -11,7 +11,7 @@
   (`release_due`). A drain is cancelled (the instance serves again, at once) if load rises so that
   the cluster without it would need to scale up; a parked instance is the first one reused
   (`reuse_order`), so a burst soon after a scale-down gets back an instance that serves now
-  instead of one that serves a start-up delay later.
+  instead of one that serves a start-up delay later. While one is parked, no other drains.
 
 `decide` is pure: the caller keeps the instance list and applies the returned action.
 """
@@ -126,8 +126,10 @@ def decide(
     after."""
     serving = [load for load in loads if not load.draining]
     reuse = reuse_order(loads, model)
-    # One drain empties at a time; a parked (emptied) instance serves nobody and holds none back.
-    emptying = any(not drained_empty(load) for load in loads if load.draining)
+    # One drain at a time, parking included: a parked instance is the capacity a burst gets back
+    # at once, and draining a second one while it waits would shrink the cluster twice as fast
+    # (measured on Fig. 14: docs/reproduction.md, "Parking drained instances").
+    draining = bool(reuse)
     agg = aggregate_freeness(serving, model)
     ahead = projected_freeness(agg, previous_aggregate, config)
 
@@ -144,7 +146,7 @@ def decide(
         if room and _short_with_starting(serving, starting, config, model):
             return ScalingAction("scale-up", None, f"{falling} < {config.scale_up_below}", agg)
         return ScalingAction("none", None, "scale-up pending or at max_instances", agg)
-    if not emptying and starting == 0 and len(serving) > max(1, config.min_instances):
+    if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
         victim = drain_candidate(serving, model)
         assert victim is not None
         without = aggregate_freeness(serving, model, exclude_capacity_of=victim)

@@ -72,10 +72,12 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -
 SMALL_ENGINE = ["--num-blocks", "64", "--max-model-len", "1000", "--time-scale", "2"]
 
 
-async def p99_ttft(router: Router, trace: list) -> tuple[float, int]:
+async def served(router: Router, trace: list) -> dict:
+    """The bench summary of `trace` through `router`; every request must have finished, error-free."""
     result = await run_bench(BenchConfig(url=router.url, model=MODEL, show_progress=False), trace)
     summary = result.summary()
-    return float(summary["prefill_p99"]), int(summary["errors"])
+    assert summary["errors"] == 0 and summary["finished"] == len(trace), result.errors_by_kind
+    return summary
 
 
 async def test_16_instances_serve_a_bursty_trace_under_llumnix_and_round_robin(start_service: StartService
@@ -86,18 +88,18 @@ async def test_16_instances_serve_a_bursty_trace_under_llumnix_and_round_robin(s
     service = await start_service(manifest("sixteen", 16, SMALL_ENGINE, migration={"enabled": False}))
     # Bursty (CV 3) arrivals of a power-law length mix: round-robin lands requests behind long ones.
     trace = generate_trace("S-S", num_requests=240, rate=16.0, cv=3.0, seed=1, max_total_tokens=600)
-    llumnix, llumnix_errors = await p99_ttft(service.router, trace)
+    llumnix = await served(service.router, trace)
     config = replace(router_config(service.service_file, "127.0.0.1", 0, 1000, dispatch_policy="round-robin"),
                      service_token=service.token)  # the service's llumlets require its token
     round_robin_router = Router(config, ListInstanceSource(service.source.addresses))
     await round_robin_router.start()
     try:
         await wait_for(lambda: len(round_robin_router.instances.dispatchable()) == 16, 30, "load streams")
-        round_robin, round_robin_errors = await p99_ttft(round_robin_router, trace)
+        round_robin = await served(round_robin_router, trace)
     finally:
         await round_robin_router.shutdown()
-    assert llumnix_errors == round_robin_errors == 0
-    assert llumnix > 0 and round_robin > 0
+    print(f"\n[16 instances] P99 TTFT llumnix {llumnix['prefill_p99']:.2f} s, "
+          f"round-robin {round_robin['prefill_p99']:.2f} s (a saturated machine: not a policy comparison)")
 
 
 async def test_autoscaling_goes_up_under_load_and_back_down_with_every_request_completed(

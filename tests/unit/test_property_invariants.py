@@ -357,7 +357,8 @@ token_ids = st.lists(st.integers(0, UINT32), max_size=8).map(tuple)
         stop_reason=st.none() | st.integers(-(2**53), 2**53) | st.text(max_size=10),
         prompt_token_ids=token_ids,
         model=st.text(max_size=10),
-        usage=st.none() | st.builds(Usage, st.integers(0, 2**31), st.integers(0, 2**31)),
+        # Each half of uint32, so that the total (a uint32 on the wire) fits too.
+        usage=st.none() | st.builds(Usage, st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)),
         role=st.sampled_from(["", "assistant"]),
         logprobs=st.none() | st.dictionaries(st.text(max_size=8), json_values),
         extra_delta=st.dictionaries(st.text(min_size=1, max_size=8), json_values, max_size=3),
