@@ -254,17 +254,33 @@ class BenchService:
         await self.backend.close()
 
 
-async def engine_gauges(session: aiohttp.ClientSession, engine_url: str) -> dict[str, float]:
-    """The engine's vllm:num_requests_running/waiting and vllm:kv_cache_usage_perc from /metrics."""
-    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-    async with session.get(f"{engine_url}/metrics") as response:
+async def _metric_values(session: aiohttp.ClientSession, url: str, wanted: Sequence[str]) -> dict[str, float]:
+    """The `wanted` series of a /metrics page (one sample each), by name."""
+    async with session.get(f"{url}/metrics") as response:
         text = await response.text()
     values: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
-            values[name.split(":", 1)[1]] = float(line.rsplit(" ", 1)[1])
+            values[name] = float(line.rsplit(" ", 1)[1])
     return values
+
+
+async def engine_gauges(session: aiohttp.ClientSession, engine_url: str) -> dict[str, float]:
+    """The engine's vllm:num_requests_running/waiting and vllm:kv_cache_usage_perc from /metrics."""
+    wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    values = await _metric_values(session, engine_url, wanted)
+    return {name.split(":", 1)[1]: value for name, value in values.items()}
+
+
+async def engine_staging(session: aiohttp.ClientSession, pair: EnginePair) -> dict[str, float]:
+    """What the engine's migration staging holds (`staged_migrations`, `staging_bytes`), as the engine
+    reports it to its llumlet, from the llumlet's /metrics; a series the engine has not reported is
+    left out."""
+    prefix = "llumnix_llumlet_engine_"
+    wanted = (f"{prefix}staged_migrations", f"{prefix}staging_bytes")
+    values = await _metric_values(session, pair.llumlet.http_url, wanted)
+    return {name.removeprefix(prefix): value for name, value in values.items()}
 
 
 async def migration_outcome(migration: asyncio.Task[mpb.MigrateOutResponse]) -> str:

@@ -15,9 +15,10 @@ A request ends in exactly one of:
                  error (must be 0)
 Leaks, read once the load is over and the service idle (up to --idle-timeout): KV blocks held, running
 or queued requests, migration reservations and incoming/outgoing migrations (the llumlets' loads),
-the engines' own running/waiting gauges and KV usage, the routers' in-flight requests and queue, and
-processes left after shutdown (must all be 0). Replacement: seconds from a kill to the control loop's
-new instance serving through every router.
+the engines' own running/waiting gauges and KV usage, the migrations and bytes each engine holds in
+its migration staging (the engine's own STAGING_HELD reports, on its llumlet's /metrics), the
+routers' in-flight requests and queue, and processes left after shutdown (must all be 0).
+Replacement: seconds from a kill to the control loop's new instance serving through every router.
 
 Exit status 0 only when lost, failed-other and every leak are 0.
 """
@@ -47,6 +48,7 @@ from bench_service import (
     StreamResult,
     client_session,
     engine_gauges,
+    engine_staging,
     migrate_busiest,
     migration_outcome,
     nice_self,
@@ -328,6 +330,7 @@ async def idle_state(service: BenchService, session: aiohttp.ClientSession, time
         for instance_id, pair in sorted(service.ready_pairs().items()):
             load = await service.load(pair)
             gauges = await engine_gauges(session, pair.engine_url)
+            staging = await engine_staging(session, pair)
             rows.append({
                 "instance": instance_id,
                 "blocks_held": load.total_blocks - load.free_blocks,
@@ -337,6 +340,9 @@ async def idle_state(service: BenchService, session: aiohttp.ClientSession, time
                 "engine_running": int(gauges.get("num_requests_running", -1)),
                 "engine_waiting": int(gauges.get("num_requests_waiting", -1)),
                 "engine_kv_usage": gauges.get("kv_cache_usage_perc", -1.0),
+                # -1: the engine has not reported its staging (counts as a leak).
+                "engine_staged_migrations": int(staging.get("staged_migrations", -1)),
+                "engine_staging_bytes": int(staging.get("staging_bytes", -1)),
             })
         for router in service.routers:
             health = await router.health(session) or {}
@@ -438,7 +444,9 @@ def report(run: Run, plan: list[Fault], idle: list[dict[str, Any]], left: list[i
         "forced_migrations": dict(run.forced_migrations),
         "control_events": dict(Counter(e.reason for _, e in run.service.events)),
         "idle": idle,
-        "leaks": {"total": sum(leaked(row) for row in idle), "processes_left": len(left)},
+        "leaks": {"total": sum(leaked(row) for row in idle), "processes_left": len(left),
+                  "staging": {"migrations": sum(row.get("engine_staged_migrations", 0) for row in idle),
+                              "bytes": sum(row.get("engine_staging_bytes", 0) for row in idle)}},
         "not_completed": [asdict(r) for r in run.records if r.outcome != "completed"][:50],
     }
 
@@ -463,8 +471,11 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"forced migrations: {result['forced_migrations'] or 'none'}")
     print(f"control loop events: {result['control_events']}")
     leaks = result["leaks"]
-    print(f"leaks once idle: {leaks['total']:g} (blocks, requests, reservations, migrations, router "
-          f"in-flight/queue); processes left after shutdown: {leaks['processes_left']}")
+    print(f"leaks once idle: {leaks['total']:g} (blocks, requests, reservations, migrations, engine "
+          f"staging, router in-flight/queue); processes left after shutdown: {leaks['processes_left']}")
+    staging = leaks["staging"]
+    print(f"engine staging once idle: {staging['migrations']} migrations, {staging['bytes']} bytes "
+          f"(-1 per engine that did not report it)")
     for row in result["idle"]:
         if leaked(row):
             print(f"  {row}")

@@ -10,6 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llumnix.v1 import migration_pb2 as mpb
+from llumnix.v1.kv_transfer_pb2 import MigrationEvent
 from llumnix.wire import LoadReport, LoadSource
 
 PREFIX = "llumnix_llumlet"
@@ -62,8 +63,32 @@ class _LoadCollector(Collector):
         yield source
 
 
+class _EngineStagingCollector(Collector):
+    """What the engine's migration staging holds, as the engine last reported it (STAGING_HELD events
+    on the engine channel); absent before its first report and once its reports stop."""
+
+    def __init__(self, instance_id: str, staging_held: Callable[[], MigrationEvent | None]) -> None:
+        self._instance_id = instance_id
+        self._staging_held = staging_held
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = self._staging_held()
+        values = {
+            "engine_staged_migrations": ("Migrations whose KV stages the engine holds in staging (not yet "
+                                         "loaded, dropped or expired)", lambda h: h.migrations),
+            "engine_staging_bytes": ("KV bytes the engine holds in staging for migrations in",
+                                     lambda h: h.bytes),
+        }
+        for name, (doc, value_of) in values.items():
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["instance_id"])
+            if held is not None:
+                family.add_metric([self._instance_id], float(value_of(held)))
+            yield family
+
+
 class LlumletMetrics:
-    def __init__(self, instance_id: str, current_report: Callable[[], LoadReport | None]) -> None:
+    def __init__(self, instance_id: str, current_report: Callable[[], LoadReport | None],
+                 engine_staging: Callable[[], MigrationEvent | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.admitted = Counter(f"{PREFIX}_admitted_requests", "Requests admitted",
                                 registry=self.registry)
@@ -99,6 +124,7 @@ class LlumletMetrics:
                 self.migrations.labels("out", outcome.name)
                 self.migration_duration.labels(outcome.name)
         self.registry.register(_LoadCollector(instance_id, current_report))
+        self.registry.register(_EngineStagingCollector(instance_id, engine_staging))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ from llumnix.engine.snapshots import SnapshotSubscriber
 from llumnix.load import LoadModelConfig
 from llumnix.service_token import ServiceToken
 from llumnix.v1 import llumlet_pb2_grpc, migration_pb2_grpc
+from llumnix.v1.kv_transfer_pb2 import MigrationEvent
 
 logger = logging.getLogger("llumlet")
 
@@ -57,7 +58,7 @@ class Llumlet:
         self.requests = RequestTable()
         self.tracker = LoadTracker(config.instance_id, self.requests, config.snapshot_timeout_s,
                                    LoadModelConfig(config.high_priority_target_tokens))
-        self.metrics = LlumletMetrics(config.instance_id, self.tracker.report)
+        self.metrics = LlumletMetrics(config.instance_id, self.tracker.report, self._engine_staging)
         self.engine = EngineClient(config.engine_url)
         self.admission = Admission(self.engine, self.requests, self.tracker, self.metrics,
                                    config.engine_priority_scheduling)
@@ -69,6 +70,10 @@ class Llumlet:
         self._grpc: grpc.aio.Server | None = None
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
+
+    def _engine_staging(self) -> MigrationEvent | None:
+        """The engine's newest report of its migration staging (for /metrics)."""
+        return self.migration.link.staging_held() if self.migration is not None else None
 
     async def start(self) -> None:
         self._subscriber = SnapshotSubscriber(self.config.snapshot_addr)

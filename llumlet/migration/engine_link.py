@@ -1,11 +1,13 @@
-"""The llumlet's end of its engine's migration channel (llumnix/engine/engine_channel.py): commands, and the
-engine's migration events sorted by migration id for the coordinator waiting on them."""
+"""The llumlet's end of its engine's migration channel (llumnix/engine/engine_channel.py): commands, the
+engine's migration events sorted by migration id for the coordinator waiting on them, and what the
+engine's staging holds (its STAGING_HELD reports)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 
 from llumnix.engine.engine_channel import (
     EngineChannelError,
@@ -15,6 +17,7 @@ from llumnix.engine.engine_channel import (
     events_address,
 )
 from llumnix.v1.kv_transfer_pb2 import (
+    MIGRATION_EVENT_KIND_STAGING_HELD,
     CancelExport,
     DropStaging,
     EngineCommand,
@@ -27,6 +30,10 @@ from llumnix.v1.kv_transfer_pb2 import (
 
 logger = logging.getLogger("llumlet.migration")
 
+STAGING_REPORT_STALE_S = 10.0
+"""An engine reports its staging every second; a report this old is from an engine that stopped (its
+staging went with it), so it is no longer shown."""
+
 
 class EngineCommandRefused(RuntimeError):
     """The engine refused a command or did not answer (the message says which)."""
@@ -38,15 +45,28 @@ class EngineLink:
         self._events = MigrationEventSubscriber(events_address(snapshot_addr))
         self._queues: dict[str, asyncio.Queue[MigrationEvent]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._staging: MigrationEvent | None = None
+        self._staging_received = 0.0
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read(), name="migration-events")
 
     async def _read(self) -> None:
         async for event in self._events.events():
+            if event.kind == MIGRATION_EVENT_KIND_STAGING_HELD:
+                self._staging, self._staging_received = event, time.monotonic()
+                continue
             queue = self._queues.get(event.migration_id)
             if queue is not None:
                 queue.put_nowait(event)
+
+    def staging_held(self, now: float | None = None) -> MigrationEvent | None:
+        """The engine's newest STAGING_HELD report (`migrations`, `blocks`, `bytes`); None before the
+        first and once reports stopped for `STAGING_REPORT_STALE_S`."""
+        now = time.monotonic() if now is None else now
+        if self._staging is None or now - self._staging_received > STAGING_REPORT_STALE_S:
+            return None
+        return self._staging
 
     def watch(self, migration_id: str) -> asyncio.Queue[MigrationEvent]:
         """Events of that migration from now on, until `unwatch`."""

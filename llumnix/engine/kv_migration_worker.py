@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
-from llumnix.engine.kv_staging import StagedKV, StagingStore
+from llumnix.engine.kv_staging import STAGING_REPORT_INTERVAL_S, StagedKV, StagingStore
 from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVReceiver, KVSender
 from llumnix.engine.kv_transport_factory import available_channels, make_receiver, make_sender
 from llumnix.v1.kv_transfer_pb2 import (
@@ -143,11 +143,12 @@ class StageSender:
 class StagingService:
     """The destination engine's KV receiver and staging. Staging is dropped when loaded, on
     DropStaging, or when its lease runs out (checked every engine step and by a reaper thread, so an
-    idle engine frees it too)."""
+    idle engine frees it too). What it holds goes to the llumlet as STAGING_HELD events, on every
+    change and from the reaper every `STAGING_REPORT_INTERVAL_S`."""
 
     def __init__(self, host: str, port: int, bytes_per_block: int, dtype: str, lease_s: float,
                  publish: PublishEvent, device: Any = None, timeout_s: float = 10.0) -> None:
-        self.store = StagingStore(bytes_per_block, dtype, lease_s)
+        self.store = StagingStore(bytes_per_block, dtype, lease_s, publish=publish)
         self._publish = publish
         self.receiver: KVReceiver = make_receiver(host=host, port=port, staging=self.store,
                                                   on_stage=self._received, device=device, timeout_s=timeout_s)
@@ -180,8 +181,9 @@ class StagingService:
             log.info("llumnix migration %s: staging lease expired, dropped", migration_id)
 
     def _reap(self) -> None:
-        while not self._stop.wait(max(0.05, self.store.lease_s / 4)):
+        while not self._stop.wait(max(0.05, min(self.store.lease_s / 4, STAGING_REPORT_INTERVAL_S))):
             self.expire()
+            self.store.report()
 
     def take(self, migration_id: str) -> StagedKV | None:
         return self.store.take(migration_id)

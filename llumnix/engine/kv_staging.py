@@ -1,15 +1,21 @@
 """Destination-side staging of live migration: the KV stages a receiver got, per migration, until the
-migrated-in request is loaded, dropped, or its lease runs out."""
+migrated-in request is loaded, dropped, or its lease runs out. What it holds is reported to the
+engine's llumlet as `STAGING_HELD` migration events (on every change, and every
+`STAGING_REPORT_INTERVAL_S` by the engine's reaper), which the llumlet exports on its /metrics."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION
-from llumnix.v1.kv_transfer_pb2 import KVStageHeader
+from llumnix.v1.kv_transfer_pb2 import MIGRATION_EVENT_KIND_STAGING_HELD, KVStageHeader, MigrationEvent
+
+STAGING_REPORT_INTERVAL_S = 1.0
+"""How often an engine reports its staging (and checks its lease) with nothing changing."""
 
 
 @dataclasses.dataclass
@@ -47,16 +53,33 @@ class StagedKV:
         return buffer
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagingHeld:
+    """What a staging store holds, over every migration."""
+
+    migrations: int
+    blocks: int
+    bytes: int
+
+    def event(self) -> MigrationEvent:
+        return MigrationEvent(kind=MIGRATION_EVENT_KIND_STAGING_HELD, migrations=self.migrations,
+                              blocks=self.blocks, bytes=self.bytes, timestamp=time.time())
+
+
 class StagingStore:
     """Destination-side staging, per migration id: logical block index -> bytes of that block (later
     stages overwrite the re-sent tail block), tokens staged. A migration untouched for `lease_s` is
-    dropped by `expire`, so no staging outlives a failed migration, even one whose llumlet died."""
+    dropped by `expire`, so no staging outlives a failed migration, even one whose llumlet died.
+    With `publish`, every change is reported as a `STAGING_HELD` event (`report`)."""
 
-    def __init__(self, bytes_per_block: int, dtype: str, lease_s: float = 60.0) -> None:
+    def __init__(self, bytes_per_block: int, dtype: str, lease_s: float = 60.0,
+                 publish: Callable[[MigrationEvent], None] | None = None) -> None:
         self.bytes_per_block = bytes_per_block
         self.dtype = dtype
         self.lease_s = lease_s
+        self._publish = publish
         self._lock = threading.Lock()
+        self._report_lock = threading.Lock()
         self._migrations: dict[str, _Migration] = {}
 
     def check_layout(self, header: KVStageHeader) -> None:
@@ -89,7 +112,9 @@ class StagingStore:
             entry.num_tokens = max(entry.num_tokens, header.num_tokens)
             entry.stages += 1
             entry.touched_at = time.monotonic() if now is None else now
-            return entry.num_tokens
+            tokens = entry.num_tokens
+        self.report()
+        return tokens
 
     def staged_tokens(self, migration_id: str) -> int:
         with self._lock:
@@ -102,11 +127,15 @@ class StagingStore:
             entry = self._migrations.pop(migration_id, None)
         if entry is None:
             return None
+        self.report()
         return StagedKV(migration_id, entry.num_tokens, self.bytes_per_block, entry.blocks)
 
     def drop(self, migration_id: str) -> bool:
         with self._lock:
-            return self._migrations.pop(migration_id, None) is not None
+            dropped = self._migrations.pop(migration_id, None) is not None
+        if dropped:
+            self.report()
+        return dropped
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drops migrations untouched for lease_s; returns their ids."""
@@ -117,12 +146,26 @@ class StagingStore:
             ]
             for key in expired:
                 del self._migrations[key]
+        if expired:
+            self.report()
         return expired
+
+    def held(self) -> StagingHeld:
+        with self._lock:
+            blocks = sum(len(entry.blocks) for entry in self._migrations.values())
+            return StagingHeld(len(self._migrations), blocks, blocks * self.bytes_per_block)
+
+    def report(self) -> None:
+        """Publishes what the store holds now. Reads and publications are serialized, so of reports
+        racing from several threads the last one published is never older than the store."""
+        if self._publish is None:
+            return
+        with self._report_lock:
+            self._publish(self.held().event())
 
     @property
     def bytes_held(self) -> int:
-        with self._lock:
-            return self.bytes_per_block * sum(len(entry.blocks) for entry in self._migrations.values())
+        return self.held().bytes
 
     def __len__(self) -> int:
         with self._lock:

@@ -25,7 +25,7 @@ from llumnix.engine.handshake import (
     default_handshake_path,
     write_handshake,
 )
-from llumnix.engine.kv_staging import StagingStore
+from llumnix.engine.kv_staging import STAGING_REPORT_INTERVAL_S, StagingStore
 from llumnix.engine.kv_transport import KV_FRAME_SCHEMA_VERSION, KVSender, KVTransportError
 from llumnix.engine.kv_transport_factory import make_receiver, make_sender
 from llumnix.v1.kv_transfer_pb2 import (
@@ -47,6 +47,8 @@ logger = logging.getLogger("llumnix.sim_engine")
 
 SIM_KV_DTYPE = "sim"
 DEFAULT_KV_BYTES_PER_BLOCK = 4096
+STAGING_LEASE_S = 60.0
+"""A migration's staging untouched this long is dropped (the connector's `staging_lease_s` default)."""
 _COMMAND_TIMEOUT_S = 5.0
 
 
@@ -77,12 +79,14 @@ class SimMigrationAgent:
         self.snapshot_addr = snapshot_addr
         self.model = model
         self.bytes_per_block = kv_bytes_per_block
-        self.staging = StagingStore(kv_bytes_per_block, SIM_KV_DTYPE)
-        self.receiver = make_receiver(host=host, staging=self.staging, on_stage=self._received)
         self.events = MigrationEventPublisher(events_address(snapshot_addr))
+        self.staging = StagingStore(kv_bytes_per_block, SIM_KV_DTYPE, STAGING_LEASE_S,
+                                    publish=self.events.publish)
+        self.receiver = make_receiver(host=host, staging=self.staging, on_stage=self._received)
         self._control_addr = control_address(snapshot_addr)
         self._commands: EngineCommandServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self._exports: dict[str, _Export] = {}
         self._senders: dict[str, KVSender] = {}
         self._final_sends: set[asyncio.Task[None]] = set()
@@ -90,6 +94,7 @@ class SimMigrationAgent:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.receiver.start()
+        self._reaper = asyncio.create_task(self._reap(), name="sim-staging-lease")
         self._commands = EngineCommandServer(self._control_addr, self._handle)
         path = default_handshake_path(self.snapshot_addr)
         if path is not None:
@@ -114,6 +119,8 @@ class SimMigrationAgent:
         }
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         if self._commands is not None:
             self._commands.close()
         self.receiver.close()
@@ -223,6 +230,15 @@ class SimMigrationAgent:
                                            timestamp=time.time(), **fields))
 
     # ----- destination: staging and loading
+
+    async def _reap(self) -> None:
+        """As the connector's reaper: drops staging whose lease ran out (a migration whose llumlet died
+        before DropStaging) and reports what staging holds, every `STAGING_REPORT_INTERVAL_S`."""
+        while True:
+            await asyncio.sleep(STAGING_REPORT_INTERVAL_S)
+            for migration_id in self.staging.expire():
+                logger.info("migration %s: staging lease expired, dropped", migration_id)
+            self.staging.report()
 
     def _received(self, header: KVStageHeader) -> None:
         self.events.publish(MigrationEvent(

@@ -14,12 +14,14 @@ class MigrationEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MIGRATION_EVENT_KIND_STAGE_RECEIVED: _ClassVar[MigrationEventKind]
     MIGRATION_EVENT_KIND_LOADED: _ClassVar[MigrationEventKind]
     MIGRATION_EVENT_KIND_LOAD_FAILED: _ClassVar[MigrationEventKind]
+    MIGRATION_EVENT_KIND_STAGING_HELD: _ClassVar[MigrationEventKind]
 MIGRATION_EVENT_KIND_UNSPECIFIED: MigrationEventKind
 MIGRATION_EVENT_KIND_STAGE_SENT: MigrationEventKind
 MIGRATION_EVENT_KIND_STAGE_FAILED: MigrationEventKind
 MIGRATION_EVENT_KIND_STAGE_RECEIVED: MigrationEventKind
 MIGRATION_EVENT_KIND_LOADED: MigrationEventKind
 MIGRATION_EVENT_KIND_LOAD_FAILED: MigrationEventKind
+MIGRATION_EVENT_KIND_STAGING_HELD: MigrationEventKind
 
 class ExportStage(_message.Message):
     __slots__ = ("migration_id", "request_id", "kv_address", "transport", "channel", "kv_key")
@@ -112,7 +114,7 @@ class EngineCommandReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ...) -> None: ...
 
 class MigrationEvent(_message.Message):
-    __slots__ = ("kind", "migration_id", "request_id", "stage", "final", "num_tokens", "blocks", "bytes", "copy_ms", "send_ms", "error", "timestamp")
+    __slots__ = ("kind", "migration_id", "request_id", "stage", "final", "num_tokens", "blocks", "bytes", "copy_ms", "send_ms", "error", "timestamp", "migrations")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,7 @@ class MigrationEvent(_message.Message):
     SEND_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     kind: MigrationEventKind
     migration_id: str
     request_id: str
@@ -137,7 +140,8 @@ class MigrationEvent(_message.Message):
     send_ms: float
     error: str
     timestamp: float
-    def __init__(self, kind: _Optional[_Union[MigrationEventKind, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., copy_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., error: _Optional[str] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    migrations: int
+    def __init__(self, kind: _Optional[_Union[MigrationEventKind, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., stage: _Optional[int] = ..., final: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., copy_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., error: _Optional[str] = ..., timestamp: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class KVStageHeader(_message.Message):
     __slots__ = ("schema_version", "migration_id", "stage", "final", "first_block", "num_blocks", "num_tokens", "payload_bytes", "bytes_per_block", "dtype", "channel", "kv_key")

@@ -15,6 +15,7 @@ from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
     MIGRATION_EVENT_KIND_STAGE_RECEIVED,
     MIGRATION_EVENT_KIND_STAGE_SENT,
+    MIGRATION_EVENT_KIND_STAGING_HELD,
     MigrationEvent,
     OpenChannel,
 )
@@ -26,7 +27,16 @@ def _cache(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _wait(events: list[MigrationEvent], count: int) -> None:
-    wait_until_sync(lambda: len(events) >= count, f"{count} migration events")
+    """Until `count` events of migrations (the staging's STAGING_HELD reports, which come on every
+    change and every second, not counted)."""
+    wait_until_sync(lambda: sum(e.kind != MIGRATION_EVENT_KIND_STAGING_HELD for e in events) >= count,
+                    f"{count} migration events")
+
+
+def _held(events: list[MigrationEvent]) -> tuple[int, int, int] | None:
+    """The newest STAGING_HELD report: (migrations, blocks, bytes)."""
+    held = [e for e in events if e.kind == MIGRATION_EVENT_KIND_STAGING_HELD]
+    return (held[-1].migrations, held[-1].blocks, held[-1].bytes) if held else None
 
 
 @pytest.fixture
@@ -71,8 +81,11 @@ def test_stages_travel_from_one_cache_into_another(rendezvous, transport: str) -
     assert [(e.stage, e.final, e.blocks, e.num_tokens) for e in sent] == [(1, False, 2, 6), (2, True, 2, 10)]
     assert all(e.send_ms > 0 and e.copy_ms == 0.5 and e.bytes == 2 * layout.bytes_per_block for e in sent)
     assert [e.num_tokens for e in received] == [6, 10]
+    # Blocks 0-1, then 1-2 (the tail block re-sent): staging holds 3 blocks until loaded.
+    assert _held(events) == (1, 3, 3 * layout.bytes_per_block)
 
     staged = staging.take("m")
+    assert _held(events) == (0, 0, 0)
     staging.close()
     assert staged is not None and staged.num_tokens == 10
     raw = staged.blocks(0, 3)  # bytes over tcp, a CPU tensor over gloo
@@ -107,6 +120,8 @@ def test_staging_leases_expire_without_engine_steps() -> None:
         wait_until_sync(lambda: not staging.store.staged_tokens("idle"),
                         "the reaper to expire the idle staging")
         assert staging.store.bytes_held == 0
+        wait_until_sync(lambda: _held(events) == (0, 0, 0), "the expiry's STAGING_HELD report")
+        assert (1, 1, 64) in [(e.migrations, e.blocks, e.bytes) for e in events]
     finally:
         staging.close()
 

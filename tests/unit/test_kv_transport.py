@@ -25,7 +25,14 @@ from llumnix.engine.kv_transport import (
 from llumnix.engine.kv_transport_factory import available_channels, make_receiver, make_sender
 from llumnix.engine.kv_transport_pair import ChannelRendezvous, KVStageReceiver, PairKVSender
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver, TcpKVSender
-from llumnix.v1.kv_transfer_pb2 import KVChannel, KVStageAck, KVStageHeader, OpenChannel
+from llumnix.v1.kv_transfer_pb2 import (
+    MIGRATION_EVENT_KIND_STAGING_HELD,
+    KVChannel,
+    KVStageAck,
+    KVStageHeader,
+    MigrationEvent,
+    OpenChannel,
+)
 
 BLOCK = 64  # bytes per block in these tests
 SECRET = new_kv_secret()
@@ -105,6 +112,36 @@ def test_leases_expire_untouched_migrations_only() -> None:
     assert store.staged_tokens("new") == 9
     assert store.drop("new") and not store.drop("new")
     assert store.expire(now=1e9) == []
+
+
+def test_staging_reports_what_it_holds_on_every_change() -> None:
+    """Every put, and every take, drop or expiry that removed something, publishes a STAGING_HELD
+    event with what the store holds after it (what the engine's llumlet exports on its /metrics)."""
+    events: list[MigrationEvent] = []
+    store = StagingStore(BLOCK, "float32", lease_s=10, publish=events.append)
+
+    def held() -> tuple[int, int, int]:
+        last = events[-1]
+        assert last.kind == MIGRATION_EVENT_KIND_STAGING_HELD and last.migration_id == ""
+        return last.migrations, last.blocks, last.bytes
+
+    store.put(_header("a", 1, 0, 2, 40), _blocks(1, 2), now=100.0)
+    assert held() == (1, 2, 2 * BLOCK)
+    store.put(_header("a", 2, 1, 2, 90), _blocks(5, 6), now=101.0)  # block 1 re-sent: 3 blocks, not 4
+    store.put(_header("b", 1, 0, 1, 5), _blocks(1), now=101.0)
+    store.put(_header("c", 1, 0, 1, 5), _blocks(1), now=108.0)
+    assert held() == (3, 5, 5 * BLOCK) and store.held().bytes == store.bytes_held == 5 * BLOCK
+    assert store.take("a") is not None  # loaded
+    assert held() == (2, 2, 2 * BLOCK)
+    assert store.drop("b")  # DropStaging
+    assert held() == (1, 1, BLOCK)
+    count = len(events)
+    assert not store.drop("b") and store.take("b") is None and store.expire(now=109.0) == []
+    assert len(events) == count  # nothing changed, nothing reported
+    assert store.expire(now=118.0) == ["c"]  # lease ran out
+    assert held() == (0, 0, 0)
+    store.report()  # the engine's periodic report
+    assert len(events) == count + 2 and held() == (0, 0, 0)
 
 
 @pytest.fixture

@@ -135,6 +135,16 @@ def test_monitoring_objects_and_dashboards_when_asked() -> None:
         assert json.loads(text) == json.loads((CHART / "dashboards" / name).read_text())
 
 
+@pytest.mark.parametrize("enabled", ["auto", False])
+def test_no_monitoring_objects_without_the_monitoring_api_or_when_off(enabled: object) -> None:
+    """The default, `auto`, renders the Prometheus Operator's objects only where the cluster serves
+    monitoring.coreos.com/v1: an offline render knows only Kubernetes' built-in APIs, as a cluster
+    without the Prometheus Operator does (an install there would fail on the unknown kinds)."""
+    kinds = {doc["kind"] for doc in render({"monitoring": {"enabled": enabled}})}
+    assert not kinds & {"PodMonitor", "PrometheusRule"}, kinds
+    assert "Deployment" in kinds  # the chart did render
+
+
 POD_LABEL_META = "__meta_kubernetes_pod_label_"
 
 
