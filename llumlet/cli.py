@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--migration-commit-timeout", type=float, default=defaults.commit_timeout_s,
                         metavar="SECONDS", help="how long the source waits for the destination's first token "
                         "before it resumes the request itself (default: %(default)s)")
+    parser.add_argument("--migration-peer-timeout", type=float, default=defaults.peer_timeout_s,
+                        metavar="SECONDS", help="how long the source waits for the destination's answer to "
+                        "Propose, Renew and Abort (default: %(default)s)")
     parser.add_argument("--migration-transport", choices=TRANSPORTS, default=defaults.transport,
                         help="KV channel of migrations: tcp or nccl refuses a migration over the other, "
                              "auto takes the destination engine's (default: %(default)s)")
@@ -99,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             max_concurrent=args.max_concurrent_migrations, select=args.migration_select,
             freeness_threshold=args.migration_freeness_threshold, max_stages=args.migration_max_stages,
             final_delta_blocks=args.migration_final_delta_blocks, lease_s=args.migration_lease,
-            commit_timeout_s=args.migration_commit_timeout, transport=args.migration_transport)
+            commit_timeout_s=args.migration_commit_timeout, peer_timeout_s=args.migration_peer_timeout,
+            transport=args.migration_transport)
     except ValueError as exc:
         print(f"llumlet: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -467,7 +467,9 @@ async def test_a_request_ending_on_the_source_mid_migration_ends_the_migration(
     """The request finishes (its last token while Propose is pending) or is aborted by its caller
     (after a KV stage was sent): FINISHED_ON_SOURCE, the destination is told to abort, nothing leaks."""
     a, _ = nodes
-    await a.restart_llumlet(*STAGING_FOREVER)  # it stages (and renews) until the request ends
+    # It stages (and renews) until the request ends, and waits for the held Propose as long as the
+    # request takes to finish, however slowly the engine decodes.
+    await a.restart_llumlet(*STAGING_FOREVER, "--migration-peer-timeout", "300")
     destination, address = gated_destination
     # Natural finish: long enough to be running when MigrateOut arrives (one call after its 2nd token).
     run = Run.start(a, f"ends-{destination.gated}", _body(11, 40, 200 if ending == "finishes" else LONG))
