@@ -6,32 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_module import load_bench
 
 from llumnix.profile import profile_from_dict
 from llumnix.tiny_model import PRESETS
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # its sibling modules (migration_downtime, router_peer)
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu_check.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("gpu_check")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

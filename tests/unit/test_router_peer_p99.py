@@ -4,31 +4,18 @@ ratios against the peer's best policy and the table. The whole benchmark is run 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_module import load_bench
 
 from llumnix.bench import RequestResult
 from llumnix.service_spec import parse_service
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
 def p99() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # its sibling modules (router_peer, router_policies_p99)
-    try:
-        spec = importlib.util.spec_from_file_location("router_peer_p99", BENCH / "router_peer_p99.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("router_peer_p99")
 
 
 def request(request_id: int, arrival: float, ttft: float | None, error: str | None = None) -> RequestResult:
