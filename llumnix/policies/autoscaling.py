@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, aggregate_freeness, freeness
 
@@ -77,10 +77,10 @@ def release_due(empty_since: float | None, now: float, park_s: float) -> bool:
 
 
 def reuse_order(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFAULT_LOAD_MODEL) -> list[str]:
-    """The draining instances in the order a scale-up puts them back: the freest first (a parked,
-    empty one is the freest), then by id."""
+    """The draining instances in the order a scale-up puts them back: the freest as if serving first
+    (a parked, empty one is the freest), then by id. (`freeness` of a draining load is -inf.)"""
     draining = sorted((load for load in loads if load.draining),
-                      key=lambda load: (-freeness(load, model), load.instance_id))
+                      key=lambda load: (-freeness(replace(load, draining=False), model), load.instance_id))
     return [load.instance_id for load in draining]
 
 

@@ -112,11 +112,11 @@ def test_an_empty_drained_instance_is_parked_for_the_grace_then_released() -> No
 
 
 def test_a_scale_up_reuses_a_parked_instance_before_starting_one() -> None:
-    # Serving a: (100 - 95) / 5 = 1 < 10. b is parked (empty), c still drains one request.
-    loads = [inst("a", 95, 5), inst("c", 10, 1, draining=True), inst("b", draining=True)]
-    assert reuse_order(loads) == ["b", "c"]  # the parked one is the freest
+    # Serving a: (100 - 95) / 5 = 1 < 10. z is parked (empty), c still drains one request.
+    loads = [inst("a", 95, 5), inst("c", 10, 1, draining=True), inst("z", draining=True)]
+    assert reuse_order(loads) == ["z", "c"]  # the parked one is the freest, whatever its id
     action = decide(loads, starting=0, config=CFG)
-    assert action.kind == "cancel-drain" and action.instance_id == "b"
+    assert action.kind == "cancel-drain" and action.instance_id == "z"
     assert reuse_order([inst("a", 95, 5)]) == []
     assert decide([inst("a", 95, 5)], starting=0, config=CFG).kind == "scale-up"
 
