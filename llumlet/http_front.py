@@ -16,7 +16,13 @@ from llumlet.auth import http_middleware
 from llumlet.engine_client import EngineUnavailableError
 from llumlet.health import HealthReporter
 from llumlet.metrics import LlumletMetrics
-from llumnix.openai_request import OpenAIRequestError, add_openai_routes, read_json_body
+from llumnix.openai_request import (
+    OpenAIRequestError,
+    add_openai_routes,
+    check_generation_body,
+    read_json_body,
+    read_stream_fields,
+)
 from llumnix.openai_stream import EndpointKind, ResponseAssembler, openai_error
 from llumnix.service_token import ServiceToken
 
@@ -66,7 +72,8 @@ class HttpFront:
 
     async def _generate(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         try:
-            body = await read_json_body(request, MAX_BODY_BYTES)
+            body = check_generation_body(endpoint, await read_json_body(request, MAX_BODY_BYTES))
+            read_stream_fields(body)  # `stream`: "false" does not stream, as in vLLM
         except OpenAIRequestError as exc:
             return exc.response()
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"llumlet-{uuid.uuid4().hex}"

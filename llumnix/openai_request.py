@@ -1,6 +1,7 @@
 """The OpenAI generation API as the llumnix HTTP fronts (llumlet, router, sim engine) serve it: the
-routes, reading a request body, the checks every front makes before an engine sees the body, and the
-prompt-length estimate the fronts use before an engine reports the exact length."""
+routes, reading a request body and its stream fields, the checks every front makes before an engine
+sees the body, and the prompt-length estimate the fronts use before an engine reports the exact
+length."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from llumnix.openai_stream import EndpointKind, openai_error
 
 BYTES_PER_TOKEN_ESTIMATE = 4
 """Text is estimated at this many UTF-8 bytes per token until the engine reports the exact length."""
+
+BOOLEAN_STRINGS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
+                   "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
+"""The strings vLLM (pydantic's lax mode) reads as a boolean, in any case."""
+STREAM_OPTION_FLAGS = ("include_usage", "continuous_usage_stats")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GenerateHandler = Callable[[web.Request, EndpointKind], Awaitable[web.StreamResponse]]
@@ -80,6 +86,40 @@ def check_generation_body(endpoint: EndpointKind, body: Any) -> dict[str, Any]:
         if not isinstance(messages, list) or not messages:
             raise OpenAIRequestError(400, "'messages' must be a non-empty list", param="messages")
     return body
+
+
+def lax_boolean(value: Any, param: str) -> bool | None:
+    """A boolean field read as vLLM reads it (pydantic's lax mode): true or false, 0 or 1, or one of
+    `BOOLEAN_STRINGS` in any case; null is unset. Anything else is a 400."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in BOOLEAN_STRINGS:
+        return BOOLEAN_STRINGS[value.lower()]
+    raise OpenAIRequestError(400, f"'{param}' must be a boolean", param=param)
+
+
+def read_stream_fields(body: dict[str, Any]) -> None:
+    """`stream`, `stream_options` and `return_token_ids` never reach the engine as the client sent
+    them (the llumlet sets its own), so the fronts check them as vLLM would, and write them back as
+    JSON booleans for everything after them that reads them."""
+    # vLLM's own rule reads the raw value: any truthy `stream` (even "false") allows stream options.
+    stream_given = bool(body.get("stream"))
+    for key in ("stream", "return_token_ids"):
+        if body.get(key) is not None:
+            body[key] = lax_boolean(body[key], key)
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise OpenAIRequestError(400, "'stream_options' must be an object", param="stream_options")
+    if options and not stream_given:
+        raise OpenAIRequestError(400, "Stream options can only be defined when `stream=True`. "
+                          "(parameter=stream_options)", param="stream_options")  # vLLM's words
+    body["stream_options"] = {**options, **{
+        key: lax_boolean(options[key], f"stream_options.{key}")
+        for key in STREAM_OPTION_FLAGS if options.get(key) is not None}}
 
 
 # One estimator for the llumlet's load and the router's in-flight accounting and limit. It is the

@@ -1,8 +1,8 @@
 """From a client's HTTP request to what the router dispatches: limits (body size, max_tokens, prompt
 length) with OpenAI-style 400s, priority (header, or a body field that is removed before forwarding),
 the fields the router and the llumlet consume instead of the engine (`stream`, `stream_options`,
-`return_token_ids`, read as vLLM reads them) and the prompt-length estimate the in-flight accounting
-uses."""
+`return_token_ids`, read as vLLM reads them: `read_stream_fields`) and the prompt-length estimate the
+in-flight accounting uses."""
 
 from __future__ import annotations
 
@@ -11,17 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llumnix.openai_request import check_generation_body, prompt_token_estimates
+from llumnix.openai_request import check_generation_body, prompt_token_estimates, read_stream_fields
 from llumnix.openai_stream import EndpointKind
 from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest
 
 PRIORITY_VALUES = {"high": True, "normal": False, "low": False}
 
-BOOLEAN_STRINGS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
-                   "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
-"""The strings vLLM (pydantic's lax mode) reads as a boolean, in any case."""
-STREAM_OPTION_FLAGS = ("include_usage", "continuous_usage_stats")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +42,7 @@ def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str
                          limits: RequestLimits, priorities: PrioritySettings) -> ClientRequest:
     """Raises OpenAIRequestError (400) for a body the router refuses; the engine validates the rest."""
     body = dict(check_generation_body(endpoint, body))
-    _read_stream_fields(body)
+    read_stream_fields(body)
     high_priority = headers.get(priorities.header, "").strip().lower() == "high"
     field = body.get(priorities.body_field)
     if isinstance(field, str):
@@ -75,37 +71,3 @@ def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str
     return ClientRequest(request_id=f"router-{uuid.uuid4().hex}", endpoint=endpoint, body=body,
                          high_priority=high_priority,
                          prompt_tokens_estimate=sum(prompt_estimates))
-
-
-def lax_boolean(value: Any, param: str) -> bool | None:
-    """A boolean field read as vLLM reads it (pydantic's lax mode): true or false, 0 or 1, or one of
-    `BOOLEAN_STRINGS` in any case; null is unset. Anything else is a 400."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in BOOLEAN_STRINGS:
-        return BOOLEAN_STRINGS[value.lower()]
-    raise RouterError(400, f"'{param}' must be a boolean", param=param)
-
-
-def _read_stream_fields(body: dict[str, Any]) -> None:
-    """`stream`, `stream_options` and `return_token_ids` never reach the engine as the client sent
-    them (the llumlet sets its own), so the router checks them as vLLM would, and writes them back as
-    JSON booleans for everything after it that reads them."""
-    # vLLM's own rule reads the raw value: any truthy `stream` (even "false") allows stream options.
-    stream_given = bool(body.get("stream"))
-    for key in ("stream", "return_token_ids"):
-        if body.get(key) is not None:
-            body[key] = lax_boolean(body[key], key)
-    options = body.get("stream_options")
-    if options is None:
-        return
-    if not isinstance(options, dict):
-        raise RouterError(400, "'stream_options' must be an object", param="stream_options")
-    if options and not stream_given:
-        raise RouterError(400, "Stream options can only be defined when `stream=True`. "
-                          "(parameter=stream_options)", param="stream_options")  # vLLM's words
-    body["stream_options"] = {**options, **{
-        key: lax_boolean(options[key], f"stream_options.{key}")
-        for key in STREAM_OPTION_FLAGS if options.get(key) is not None}}

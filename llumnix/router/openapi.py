@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from llumnix.router.client_request import BOOLEAN_STRINGS, PRIORITY_VALUES, PrioritySettings, RequestLimits
+from llumnix.openai_request import BOOLEAN_STRINGS
+from llumnix.router.client_request import PRIORITY_VALUES, PrioritySettings, RequestLimits
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _ERROR_RESPONSE = {"content": {"application/json": {"schema": _ERROR}}}

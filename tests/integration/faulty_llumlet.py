@@ -1,11 +1,14 @@
-"""A llumlet that crashes at a chosen point of a migration it sources, for the tests of what a source
-crash leaves behind: `python -m faulty_llumlet --crash-at POINT <llumlet flags>` (this directory on
-PYTHONPATH; `LlumletProcessConfig(module="faulty_llumlet")`). It patches the real migration code, then
-runs the llumlet's own CLI.
+"""A llumlet with an injected migration fault, for the tests of what a fault leaves behind:
+`python -m faulty_llumlet [--crash-at POINT] [--hold-commit-answer SECONDS] <llumlet flags>` (this
+directory on PYTHONPATH; `LlumletProcessConfig(module="faulty_llumlet")`). It patches the real migration
+code, then runs the llumlet's own CLI.
 
-Points:
+--crash-at, as a migration source:
 - final-stage: the final KV stage was sent, Commit not yet called;
 - commit: the destination committed, the caller has not learned of the move.
+
+--hold-commit-answer, as a destination: Commit starts the request as usual, then its answer waits this
+long, so a source's commit timeout fires on any machine, however fast its first token.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from llumlet import __main__ as llumlet_main
 from llumlet.admission import MovedTo, Suspension
+from llumlet.migration.destination import Destination
 from llumlet.migration.source import Source
 
 logger = logging.getLogger("llumlet.migration")
@@ -57,14 +61,32 @@ def _crash_after_commit() -> None:
     Suspension.decide = decide_or_crash  # type: ignore[method-assign]
 
 
+def _hold_commit_answer(hold_s: float) -> None:
+    commit = Destination.commit
+
+    @functools.wraps(commit)
+    async def commit_then_hold(self: Destination, request: Any) -> Any:
+        answer = await commit(self, request)
+        logger.warning("fault injection: the destination holds its Commit answer",
+                       extra={"migration_id": request.migration_id, "hold_s": hold_s})
+        await asyncio.sleep(hold_s)
+        return answer
+
+    Destination.commit = commit_then_hold  # type: ignore[method-assign]
+
+
 INJECT = {"final-stage": _crash_after_final_stage, "commit": _crash_after_commit}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--crash-at", choices=sorted(INJECT), required=True)
+    parser.add_argument("--crash-at", choices=sorted(INJECT))
+    parser.add_argument("--hold-commit-answer", type=float)
     fault, llumlet_argv = parser.parse_known_args(argv)
-    INJECT[fault.crash_at]()
+    if fault.crash_at is not None:
+        INJECT[fault.crash_at]()
+    if fault.hold_commit_answer is not None:
+        _hold_commit_answer(fault.hold_commit_answer)
     return llumlet_main.main(llumlet_argv)
 
 

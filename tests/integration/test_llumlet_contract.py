@@ -259,6 +259,9 @@ async def test_malformed_requests_get_openai_errors_and_the_llumlet_survives(pai
         ("/v1/completions", json.dumps({**_body(pair, [1, 2], 5), "model": "no-such-model"}).encode()),
         ("/v1/completions", json.dumps(_body(pair, [1] * (MAX_MODEL_LEN + 10), 5)).encode()),
         ("/v1/chat/completions", json.dumps({"model": pair.served_model_name, "messages": "hi"}).encode()),
+        ("/v1/completions", json.dumps({**_body(pair, [1, 2], 5), "stream": "maybe"}).encode()),
+        ("/v1/completions", json.dumps({**_body(pair, [1, 2], 5),
+                                        "stream_options": {"include_usage": True}}).encode()),
     ]
     async with aiohttp.ClientSession() as session:
         for path, payload in cases:
@@ -282,6 +285,21 @@ async def test_malformed_requests_get_openai_errors_and_the_llumlet_survives(pai
                 assert json.loads(info.value.details())["error"]["code"] == 400
         assert len(await _complete(session, url, _body(pair, [5, 6, 7], 4))) == 4
     assert (await _health(pair)).status == pb.HEALTH_STATUS_SERVING
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stream_fields_are_read_as_the_engine_reads_them(pairs: Pairs) -> None:
+    """vLLM reads booleans laxly: "false" does not stream, "TRUE" and 1 do."""
+    pair = pairs.a
+    body = _body(pair, [3, 4, 5], 6)
+    async with aiohttp.ClientSession() as session:
+        for stream, streams in (("false", False), (0, False), ("TRUE", True), (1, True)):
+            async with session.post(pair.llumlet.http_url + "/v1/completions",
+                                    json={**body, "stream": stream}) as response:
+                assert response.status == 200, await response.text()
+                kind = response.headers["Content-Type"].split(";")[0]
+                assert kind == ("text/event-stream" if streams else "application/json"), stream
+                await response.read()
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -494,11 +494,12 @@ async def test_a_request_ending_on_the_source_mid_migration_ends_the_migration(
 
 
 async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destination_stops_its_copy(
-        nodes: tuple[Node, Node]) -> None:
+        nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = nodes
-    # The destination starts the request, but its first token takes longer than 10 ms.
-    await a.restart_llumlet("--migration-commit-timeout", "0.01")
-    await b.restart_llumlet()
+    # The destination starts the request but holds its Commit answer far past the source's timeout.
+    await a.restart_llumlet("--migration-commit-timeout", "1")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
+    await b.restart_llumlet("--hold-commit-answer", "120", module="faulty_llumlet")
     expected = await _generate(a, "tref", _body(12, 40, 160))
     tokens, results = await _migrated_run((a, b), "late", _body(12, 40, LONG), 1, [20], 160)
     assert [r.outcome for r in results] == [mpb.MIGRATION_OUTCOME_RESUMED_ON_SOURCE], results
@@ -506,6 +507,7 @@ async def test_a_commit_past_its_timeout_resumes_on_the_source_and_the_destinati
     assert tokens == expected
     await _wait_idle(a)
     await _wait_idle(b)
+    await b.restart_llumlet()
 
 
 @pytest.mark.parametrize("exit_at", ["final-stage", "commit"])
