@@ -18,7 +18,7 @@ from llumlet.engine_client import EngineClient, EngineError, EngineUnavailableEr
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable, ResumePoint
-from llumnix.openai_request import OpenAIRequestError, check_generation_body
+from llumnix.openai_request import OpenAIRequestError, PromptSizer, check_generation_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage, openai_error, parse_stream_chunk
 
 logger = logging.getLogger("llumlet.admission")
@@ -124,6 +124,8 @@ class Admission:
         self.tracker = tracker
         self.metrics = metrics
         self.engine_priority_scheduling = engine_priority_scheduling
+        self.prompt_sizer = PromptSizer()
+        """Learns the engine's text size of a token from the prompt lengths it reports."""
         self.shutting_down = False
         self.engine_healthy = False
         """Set by the engine watcher; unknown (False) until its first check."""
@@ -164,7 +166,7 @@ class Admission:
             self.metrics.refused.inc()
             raise refusal
         record = RequestRecord(request_id, endpoint, validate_body(endpoint, body), high_priority,
-                               migratable=migratable)
+                               migratable=migratable, bytes_per_token=self.prompt_sizer.bytes_per_token)
         async with contextlib.aclosing(self.run(record)) as events:
             async for event in events:
                 yield event
@@ -243,8 +245,11 @@ class Admission:
                 chunks = parse_stream_chunk(record.engine_endpoint, payload)
                 if resume is not None:
                     chunks = [_continued(chunk, record, resume) for chunk in chunks]
+                prompt_known = bool(record.prompt_token_ids)
                 for chunk in chunks:
                     record.observe(chunk)
+                if not prompt_known and record.prompt_token_ids and resume is None:
+                    self.prompt_sizer.learn(record.endpoint, record.body, len(record.prompt_token_ids))
                 yield StreamEvent(payload, chunks)
         finally:
             if in_flight.response is not None:

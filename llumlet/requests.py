@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llumnix.openai_request import estimate_prompt_tokens
+from llumnix.openai_request import BYTES_PER_TOKEN_ESTIMATE, estimate_prompt_tokens
 from llumnix.openai_stream import EndpointKind, GenerationChunk
 
 # Request fields that are not sampling parameters (kept out of `RequestRecord.sampling_params`).
@@ -49,12 +49,14 @@ class RequestRecord:
     """Its stream can end with a move (gRPC callers follow `Moved`; the HTTP front cannot)."""
     resume: ResumePoint | None = None
     """Set once the request continues from a resume point rather than from `body`."""
+    bytes_per_token: float = field(default=BYTES_PER_TOKEN_ESTIMATE, repr=False)
+    """The engine's text size of a token as known at admission (`PromptSizer`)."""
     prompt_estimate: int = field(init=False, repr=False)
     """The client's prompt length as estimated at admission (every load report reads it until the
     engine reports the exact length)."""
 
     def __post_init__(self) -> None:
-        self.prompt_estimate = estimate_prompt_tokens(self.endpoint, self.body)
+        self.prompt_estimate = estimate_prompt_tokens(self.endpoint, self.body, self.bytes_per_token)
 
     @property
     def sampling_params(self) -> dict[str, Any]:

@@ -5,6 +5,8 @@ length."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,7 +16,8 @@ from aiohttp import web
 from llumnix.openai_stream import EndpointKind, openai_error
 
 BYTES_PER_TOKEN_ESTIMATE = 4
-"""Text is estimated at this many UTF-8 bytes per token until the engine reports the exact length."""
+"""Text is estimated at this many UTF-8 bytes per token until `PromptSizer` has learnt the engine's
+ratio (and each request's exact length is known once the engine reports it)."""
 
 BOOLEAN_STRINGS = {"true": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
                    "false": False, "f": False, "no": False, "n": False, "off": False, "0": False}
@@ -126,36 +129,89 @@ def read_stream_fields(body: dict[str, Any]) -> None:
 # router's former one (it counted the text parts of list content and batches of token-id lists, which
 # the llumlet's missed) with the llumlet's sum over a batch, which is what the KV cache holds, and its
 # floor of one token per prompt.
-def prompt_token_estimates(endpoint: EndpointKind, body: dict[str, Any]) -> list[int]:
+def prompt_token_estimates(endpoint: EndpointKind, body: dict[str, Any],
+                           bytes_per_token: float = BYTES_PER_TOKEN_ESTIMATE) -> list[int]:
     """Each prompt's length in tokens, at least 1 (the engine runs every prompt through the model):
     token ids counted exactly, text estimated from its UTF-8 size. A chat request is one prompt, the
     text of all its messages including the text parts of list content (images and other parts are not
     estimated); a completion has one prompt per element of a batch (texts or token-id lists)."""
     if endpoint is EndpointKind.CHAT:
-        texts: list[str] = []
-        for message in body.get("messages") or ():
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                texts.extend(str(part.get("text") or "") for part in content if isinstance(part, dict))
-        return [_text_tokens("".join(texts))]
+        return [_text_tokens(_chat_text(body), bytes_per_token)]
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and bool(prompt) and not all(isinstance(t, int) for t in prompt)
-    return [_one_prompt_tokens(p) for p in (prompt if batch else [prompt])]
+    return [_one_prompt_tokens(p, bytes_per_token) for p in (prompt if batch else [prompt])]
 
 
-def estimate_prompt_tokens(endpoint: EndpointKind, body: dict[str, Any]) -> int:
+def estimate_prompt_tokens(endpoint: EndpointKind, body: dict[str, Any],
+                           bytes_per_token: float = BYTES_PER_TOKEN_ESTIMATE) -> int:
     """All of a request's prompts together: what its prefill puts in the KV cache (each prompt of a
     batch completion is a sequence of its own)."""
-    return sum(prompt_token_estimates(endpoint, body))
+    return sum(prompt_token_estimates(endpoint, body, bytes_per_token))
 
 
-def _one_prompt_tokens(prompt: Any) -> int:
+def text_prompt_bytes(endpoint: EndpointKind, body: dict[str, Any]) -> int | None:
+    """The UTF-8 size of a request's one text prompt (a completion's string, a chat's message text);
+    None where the prompt is token ids, a batch, or no text."""
+    text = _chat_text(body) if endpoint is EndpointKind.CHAT else body.get("prompt")
+    return len(text.encode("utf-8")) if isinstance(text, str) and text else None
+
+
+class PromptSizer:
+    """Text prompts' lengths as the engine counts them. The bytes per token are learnt from the exact
+    lengths the engine reported for the last `window` text prompts (a byte-level tokenizer has 1, an
+    English BPE about 4, a chat template adds its own tokens); `BYTES_PER_TOKEN_ESTIMATE` until
+    `min_samples` are known. The router and the llumlet each keep one: until an engine lists a
+    request with its exact length, their load accounting reads this estimate, and a 4x error puts two
+    long prompts where only one fits."""
+
+    MIN_BYTES_PER_TOKEN = 0.25
+    MAX_BYTES_PER_TOKEN = 16.0
+
+    def __init__(self, window: int = 128, min_samples: int = 4) -> None:
+        self._samples: deque[tuple[int, int]] = deque(maxlen=window)
+        self._bytes = 0
+        self._tokens = 0
+        self.min_samples = min_samples
+
+    @property
+    def bytes_per_token(self) -> float:
+        if len(self._samples) < self.min_samples:
+            return BYTES_PER_TOKEN_ESTIMATE
+        return min(self.MAX_BYTES_PER_TOKEN, max(self.MIN_BYTES_PER_TOKEN, self._bytes / self._tokens))
+
+    def estimates(self, endpoint: EndpointKind, body: dict[str, Any]) -> list[int]:
+        return prompt_token_estimates(endpoint, body, self.bytes_per_token)
+
+    def learn(self, endpoint: EndpointKind, body: dict[str, Any], prompt_tokens: int) -> None:
+        """The engine's exact prompt length for a request as the client sent it."""
+        size = text_prompt_bytes(endpoint, body)
+        if size is None or prompt_tokens < 1:
+            return
+        if len(self._samples) == self._samples.maxlen:
+            old_bytes, old_tokens = self._samples[0]
+            self._bytes -= old_bytes
+            self._tokens -= old_tokens
+        self._samples.append((size, prompt_tokens))
+        self._bytes += size
+        self._tokens += prompt_tokens
+
+
+def _chat_text(body: dict[str, Any]) -> str:
+    texts: list[str] = []
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return "".join(texts)
+
+
+def _one_prompt_tokens(prompt: Any, bytes_per_token: float) -> int:
     if isinstance(prompt, list):
         return max(1, len(prompt))  # token ids
-    return _text_tokens("" if prompt is None else str(prompt))
+    return _text_tokens("" if prompt is None else str(prompt), bytes_per_token)
 
 
-def _text_tokens(text: str) -> int:
-    return max(1, -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_ESTIMATE))
+def _text_tokens(text: str, bytes_per_token: float) -> int:
+    return max(1, math.ceil(len(text.encode("utf-8")) / bytes_per_token))

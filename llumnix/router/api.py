@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llumnix.openai_request import Handler, OpenAIRequestError, add_openai_routes, read_json_body
+from llumnix.openai_request import Handler, OpenAIRequestError, PromptSizer, add_openai_routes, read_json_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler, openai_error
 from llumnix.router.api_keys import ApiKeyChecker
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
@@ -69,6 +69,8 @@ class RouterApi:
         self.instances = instances
         self.metrics = metrics
         self.api_keys = api_keys
+        self.prompt_sizer = PromptSizer()
+        """Learns the engines' text size of a token from the prompt lengths they report."""
         self.accepting = True
         self.in_flight = 0
         self.idle = asyncio.Event()
@@ -96,14 +98,14 @@ class RouterApi:
         try:
             body = await read_json_body(request, self.settings.limits.max_body_bytes)
             client_request = parse_client_request(endpoint, body, request.headers, self.settings.limits,
-                                                  self.settings.priorities)
+                                                  self.settings.priorities, self.prompt_sizer.bytes_per_token)
         except OpenAIRequestError as exc:
             return error_response(exc)
         self.in_flight += 1
         self.idle.clear()
         self.metrics.in_flight.inc()
         generation = Generation(client_request, self.queue, self.instances, self.metrics,
-                                self.settings.generation)
+                                self.settings.generation, self.prompt_sizer)
         status = 500
         try:
             response, status = await self._respond(request, client_request, generation)

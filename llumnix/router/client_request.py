@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llumnix.openai_request import check_generation_body, prompt_token_estimates, read_stream_fields
+from llumnix.openai_request import (
+    BYTES_PER_TOKEN_ESTIMATE,
+    check_generation_body,
+    prompt_token_estimates,
+    read_stream_fields,
+)
 from llumnix.openai_stream import EndpointKind
 from llumnix.router.errors import RouterError
 from llumnix.router.generation import ClientRequest
@@ -39,8 +44,10 @@ class PrioritySettings:
 
 
 def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str, str],
-                         limits: RequestLimits, priorities: PrioritySettings) -> ClientRequest:
-    """Raises OpenAIRequestError (400) for a body the router refuses; the engine validates the rest."""
+                         limits: RequestLimits, priorities: PrioritySettings,
+                         bytes_per_token: float = BYTES_PER_TOKEN_ESTIMATE) -> ClientRequest:
+    """Raises OpenAIRequestError (400) for a body the router refuses; the engine validates the rest.
+    `bytes_per_token`: the text size of a token (`PromptSizer`'s learnt ratio)."""
     body = dict(check_generation_body(endpoint, body))
     read_stream_fields(body)
     high_priority = headers.get(priorities.header, "").strip().lower() == "high"
@@ -62,7 +69,7 @@ def parse_client_request(endpoint: EndpointKind, body: Any, headers: Mapping[str
         if limits.max_tokens is not None and value > limits.max_tokens:
             raise RouterError(400, f"'{key}' is {value}; this service allows at most {limits.max_tokens}",
                               param=key)
-    prompt_estimates = prompt_token_estimates(endpoint, body)
+    prompt_estimates = prompt_token_estimates(endpoint, body, bytes_per_token)
     longest_prompt = max(prompt_estimates)
     if limits.max_prompt_tokens is not None and longest_prompt > limits.max_prompt_tokens:
         param = "messages" if endpoint is EndpointKind.CHAT else "prompt"

@@ -24,6 +24,7 @@ import orjson
 
 from llumnix.load import RequestLoad
 from llumnix.openai_replay import NotReplayable, remaining_max_tokens, replay_body
+from llumnix.openai_request import PromptSizer
 from llumnix.openai_stream import EndpointKind, GenerationChunk, Usage
 from llumnix.router.dispatcher import DispatchQueue
 from llumnix.router.errors import RouterError
@@ -77,8 +78,9 @@ class GenerationLimits:
 
 class Generation:
     def __init__(self, request: ClientRequest, queue: DispatchQueue, instances: InstanceSet,
-                 metrics: RouterMetrics, limits: GenerationLimits) -> None:
+                 metrics: RouterMetrics, limits: GenerationLimits, prompt_sizer: PromptSizer) -> None:
         self.request = request
+        self.prompt_sizer = prompt_sizer
         self.queue = queue
         self.instances = instances
         self.metrics = metrics
@@ -218,6 +220,8 @@ class Generation:
         if chunk.prompt_token_ids and not out.prompt_token_ids:
             out.prompt_token_ids = chunk.prompt_token_ids
             prompt_ids = chunk.prompt_token_ids
+            # The first prompt ids are always the client's own prompt's (a replay comes after them).
+            self.prompt_sizer.learn(self.request.endpoint, self.request.body, len(prompt_ids))
         else:
             prompt_ids = ()
         role = chunk.role if chunk.role and chunk.index not in out.role_sent else ""

@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
 from llumnix.launch.pair import EnginePair
@@ -92,10 +93,7 @@ async def test_a_burst_spreads_over_every_instance(router: Router) -> None:
     results = await asyncio.gather(*(
         client.completions.create(model=MODEL, prompt=f"burst {i}", max_tokens=40) for i in range(12)))
     assert all(len(r.choices[0].text) == 40 for r in results)
-    served = collections.Counter()
-    for sample in router.metrics.requests.collect()[0].samples:
-        if sample.name.endswith("_total") and sample.labels["status"] == "200":
-            served[sample.labels["instance_id"]] += sample.value
+    served = _served(router)
     assert len(served) == 3 and max(served.values()) - min(served.values()) <= 2, served
 
 
@@ -183,3 +181,45 @@ async def test_metrics_exposition(router: Router) -> None:
                  "llumnix_router_replays_total", "llumnix_router_moves_followed_total",
                  'llumnix_router_instances{state="connected"} 3.0'):
         assert name in text, name
+
+
+async def test_a_burst_of_long_text_prompts_is_placed_by_their_size_as_the_engines_tokenize_them(
+        sim_pairs: StartPairs, start_router: StartRouter) -> None:
+    """The sim engine's tokenizer is byte-level: 600 bytes of text are 600 tokens, not the 150 that 4
+    bytes per token would say. Once the router (and each llumlet) has learnt the engines' ratio from
+    the prompt lengths they report, two long prompts arriving together, before any load lists them,
+    go where each fits instead of both to the emptier instance."""
+    a, b = await sim_pairs(2, "sized", engine_args=("--num-blocks", "64", "--block-size", "16"))
+    router = await start_router([a.grpc_address, b.grpc_address])
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"warm-up {i} " * 8, max_tokens=2)
+                           for i in range(12)))
+    assert router.api.prompt_sizer.bytes_per_token == pytest.approx(1.0)
+    # b holds 19-25 blocks for a while: a request sent to its llumlet directly (the router only sees it
+    # in b's load), 300 prompt tokens and up to 100 more.
+    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization}) as session:
+        holder = asyncio.create_task(session.post(b.llumlet.http_url + "/v1/completions", json={
+            "model": MODEL, "prompt": [65] * 300, "max_tokens": 100, "ignore_eos": True}))
+        instance_b = router.instances.get(b.grpc_address)
+        assert instance_b is not None
+        await wait_until(lambda: bool(instance_b.effective_load().running) or holder.done(),
+                         "b to list the holder", timeout_s=30)
+        assert not holder.done(), (await holder.result().text())
+        # a has room for one 600-token prompt (38 blocks of 64), b beside the holder for one more.
+        before = _served(router)
+        results = await asyncio.gather(*(client.completions.create(
+            model=MODEL, prompt=letter * 600, max_tokens=8) for letter in "XY"))
+        assert all(len(r.choices[0].text) == 8 for r in results)
+        after = _served(router)
+        assert {name: after[name] - before[name] for name in ("sized-0", "sized-1")} == \
+            {"sized-0": 1, "sized-1": 1}
+        (await holder).close()
+
+
+def _served(router: Router) -> collections.Counter[str]:
+    """Requests answered 200, by the instance that served them."""
+    served: collections.Counter[str] = collections.Counter()
+    for sample in router.metrics.requests.collect()[0].samples:
+        if sample.name.endswith("_total") and sample.labels["status"] == "200":
+            served[sample.labels["instance_id"]] += int(sample.value)
+    return served

@@ -7,8 +7,8 @@ import pytest
 from llumlet.admission import AdmissionError, validate_body
 from llumlet.http_front import client_view
 from llumlet.requests import DuplicateRequestError, RequestRecord, RequestTable
-from llumnix.openai_request import estimate_prompt_tokens
-from llumnix.openai_stream import EndpointKind, ResponseAssembler, Usage, parse_stream_chunk
+from llumnix.openai_request import BYTES_PER_TOKEN_ESTIMATE, PromptSizer, estimate_prompt_tokens
+from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler, Usage, parse_stream_chunk
 
 COMPLETION_STREAM = [
     {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
@@ -118,6 +118,36 @@ def test_record_follows_the_stream_per_choice() -> None:
 )
 def test_prompt_estimate(endpoint: EndpointKind, body: dict, expected: int) -> None:
     assert estimate_prompt_tokens(endpoint, body) == expected
+
+
+def test_prompt_sizer_learns_the_engines_bytes_per_token_from_text_prompts_only() -> None:
+    sizer = PromptSizer(window=8, min_samples=3)
+    text = {"prompt": "x" * 600}
+    assert sizer.estimates(EndpointKind.COMPLETION, text) == [150]  # 4 bytes per token until it knows
+    # Token-id prompts and batches say nothing about text; they are not learnt from.
+    sizer.learn(EndpointKind.COMPLETION, {"prompt": [1] * 50}, 50)
+    sizer.learn(EndpointKind.COMPLETION, {"prompt": ["ab", "cd"]}, 4)
+    assert sizer.bytes_per_token == BYTES_PER_TOKEN_ESTIMATE
+    # A byte-level tokenizer (the sim engine's): one token per byte, a chat template's tokens on top.
+    sizer.learn(EndpointKind.COMPLETION, {"prompt": "y" * 300}, 300)
+    sizer.learn(EndpointKind.COMPLETION, {"prompt": "z" * 100}, 100)
+    sizer.learn(EndpointKind.CHAT, {"messages": [{"role": "user", "content": "w" * 80}]}, 100)
+    assert sizer.bytes_per_token == pytest.approx(480 / 500)
+    assert sizer.estimates(EndpointKind.COMPLETION, text) == [625]
+    assert sizer.estimates(EndpointKind.COMPLETION, {"prompt": [7] * 9}) == [9]  # ids stay exact
+    # The window forgets: a new model's ratio takes over.
+    for _ in range(8):
+        sizer.learn(EndpointKind.COMPLETION, {"prompt": "v" * 800}, 100)
+    assert sizer.bytes_per_token == 8.0
+    sizer.learn(EndpointKind.COMPLETION, {"prompt": "v" * 800}, 1)  # absurd: clamped
+    assert sizer.bytes_per_token <= PromptSizer.MAX_BYTES_PER_TOKEN
+
+
+def test_a_record_estimates_its_prompt_at_the_ratio_it_was_admitted_with() -> None:
+    record = RequestRecord("r", EndpointKind.COMPLETION, {"prompt": "x" * 600}, bytes_per_token=1.0)
+    assert record.prompt_tokens == 600
+    record.observe(GenerationChunk(index=0, prompt_token_ids=(1,) * 598))
+    assert record.prompt_tokens == 598
 
 
 def test_table_counts_and_refuses_duplicate_ids() -> None:
