@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 import threading
+import time
 
 from llumnix_operator.http_endpoint import OperatorEndpoint
 from llumnix_operator.logs import configure_operator_logging
@@ -36,7 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kopf peering object shared by the operator's replicas, so only the one with "
         "the highest priority acts (default: standalone, no peering)",
     )
-    parser.add_argument("--priority", type=int, default=0, help="this replica's peering priority")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="this replica's peering priority (default: by seniority, the replica started first acts; "
+        "kopf pauses every replica that sees another with the same priority)",
+    )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        metavar="SECONDS",
+        help="how long a replica's peering entry outlives its last keep-alive: how soon a standby "
+        "takes over from a replica that died without leaving the peering (default %(default)s)",
+    )
     parser.add_argument(
         "--liveness",
         metavar="URL",
@@ -69,6 +84,14 @@ def _current_namespace() -> str:
     return (context or {}).get("context", {}).get("namespace", "default")
 
 
+def seniority_priority(now_ns: int | None = None) -> int:
+    """A peering priority that ranks a replica started earlier above one started later (minus the
+    start time in microseconds). The chart's replicas share their arguments, and kopf pauses all
+    replicas of equal priority, so a fixed default would leave none acting; by seniority, a restarted
+    or newly added replica stands by instead of taking over from the one acting."""
+    return -((time.time_ns() if now_ns is None else now_ns) // 1000)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         kopf = importlib.import_module("kopf")
@@ -95,13 +118,16 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         endpoint = OperatorEndpoint(args.metrics_host, args.metrics_port, OPERATOR_METRICS, ready)
         endpoint.start()
+    settings = kopf.OperatorSettings()
+    settings.peering.lifetime = args.peering_lifetime
     try:
         kopf.run(
+            settings=settings,
             clusterwide=args.all_namespaces,
             namespaces=namespaces,
             standalone=args.peering is None,
             peering_name=args.peering,
-            priority=args.priority,
+            priority=args.priority if args.priority is not None else seniority_priority(),
             liveness_endpoint=args.liveness,
             ready_flag=ready,
         )

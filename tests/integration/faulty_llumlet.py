@@ -1,5 +1,5 @@
 """A llumlet with an injected migration fault, for the tests of what a fault leaves behind:
-`python -m faulty_llumlet [--crash-at POINT] [--hold-commit-answer SECONDS] <llumlet flags>` (this
+`python -m faulty_llumlet [--crash-at POINT] [--hold-commit-answer] <llumlet flags>` (this
 directory on PYTHONPATH; `LlumletProcessConfig(module="faulty_llumlet")`). It patches the real migration
 code, then runs the llumlet's own CLI.
 
@@ -7,8 +7,9 @@ code, then runs the llumlet's own CLI.
 - final-stage: the final KV stage was sent, Commit not yet called;
 - commit: the destination committed, the caller has not learned of the move.
 
---hold-commit-answer, as a destination: Commit starts the request as usual, then its answer waits this
-long, so a source's commit timeout fires on any machine, however fast its first token.
+--hold-commit-answer, as a destination: Commit starts the request as usual, then never answers (until
+the caller gives up and the call is cancelled), so a source's commit timeout fires on any machine,
+however fast its first token.
 """
 
 from __future__ import annotations
@@ -61,16 +62,15 @@ def _crash_after_commit() -> None:
     Suspension.decide = decide_or_crash  # type: ignore[method-assign]
 
 
-def _hold_commit_answer(hold_s: float) -> None:
+def _hold_commit_answer() -> None:
     commit = Destination.commit
 
     @functools.wraps(commit)
     async def commit_then_hold(self: Destination, request: Any) -> Any:
-        answer = await commit(self, request)
+        await commit(self, request)
         logger.warning("fault injection: the destination holds its Commit answer",
-                       extra={"migration_id": request.migration_id, "hold_s": hold_s})
-        await asyncio.sleep(hold_s)
-        return answer
+                       extra={"migration_id": request.migration_id})
+        await asyncio.get_running_loop().create_future()  # only the call's cancellation ends it
 
     Destination.commit = commit_then_hold  # type: ignore[method-assign]
 
@@ -81,12 +81,12 @@ INJECT = {"final-stage": _crash_after_final_stage, "commit": _crash_after_commit
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--crash-at", choices=sorted(INJECT))
-    parser.add_argument("--hold-commit-answer", type=float)
+    parser.add_argument("--hold-commit-answer", action="store_true")
     fault, llumlet_argv = parser.parse_known_args(argv)
     if fault.crash_at is not None:
         INJECT[fault.crash_at]()
-    if fault.hold_commit_answer is not None:
-        _hold_commit_answer(fault.hold_commit_answer)
+    if fault.hold_commit_answer:
+        _hold_commit_answer()
     return llumlet_main.main(llumlet_argv)
 
 

@@ -19,11 +19,29 @@ from typing import Any
 import jsonpatch
 import kmock
 import yaml
+from kmock._internal import parsing
 from kmock._internal.dicts import merge_patch_dict
 
 from llumnix.service_spec import API_GROUP, API_VERSION, KIND, PLURAL
 
 CR_RESOURCE = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
+PEERING_RESOURCE = "kopf.dev/v1/kopfpeerings"
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 reads `/api/v1/namespaces[/NAME[/SUB]]` as a namespace prefix without a resource; it
+    is the Namespace resource itself (kopf lists and watches it to find the namespaces to serve)."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        name, subresource = [*parts[3:], None, None][:2]
+        return parsing.ParsedPath("", "v1", "namespaces", None, name, subresource)
+    return _kmock_parse_path(path)
+
+
+_kmock_parse_path = parsing.parse_path
+parsing.parse_path = _parse_path
 
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
@@ -146,7 +164,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
 class EmulatedCluster:
     """The emulator on 127.0.0.1:<random port>, its own thread and event loop, with the LLMService
-    resource registered; `kubeconfig` points a client (and kopf) at it."""
+    and kopf's KopfPeering resources registered (the chart's CRDs); `kubeconfig` points a client (and
+    kopf) at it."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
@@ -172,6 +191,17 @@ class EmulatedCluster:
             "singular": KIND.lower(),
             "namespaced": True,
             "subresources": {"status", "scale"},
+            "verbs": {"get", "list", "watch", "create", "patch", "update", "delete"},
+        }
+        self.emulator.objects["v1/namespaces", None, "default"] = {
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "uid": str(uuid.uuid4()),
+                                                                  "resourceVersion": "0"}}
+        # kopf's peering resource, as charts/llumnix/crds/kopf-peering.yaml installs it (no subresources)
+        self.emulator.resources[PEERING_RESOURCE] = {
+            "kind": "KopfPeering",
+            "singular": "kopfpeering",
+            "namespaced": True,
+            "subresources": set(),
             "verbs": {"get", "list", "watch", "create", "patch", "update", "delete"},
         }
         self.kubeconfig = self.tmp_path / "kubeconfig"

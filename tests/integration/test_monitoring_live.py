@@ -29,16 +29,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from cluster_harness import Load, wait_for
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
 from script_module import load_script
 from test_local_mode import processes_using, read_until, up, write_manifest
 from test_operator_cluster import (  # noqa: F401 (cluster is a fixture)
-    Load,
     cluster,
     operator_and_kubelet,
     start_autoscaled_service,
-    wait_for,
 )
 
 from llumnix_operator.http_endpoint import OperatorEndpoint

@@ -10,15 +10,14 @@ import contextlib
 import json
 import re
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import kopf
 import kubernetes
 import pytest
+from cluster_harness import Load, healthy, wait_for
 from kopf.testing import KopfRunner
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
@@ -43,52 +42,6 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulate
         handlers.api_client.cache_clear()
         yield emulated
         handlers.api_client.cache_clear()
-
-
-def wait_for(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: last {last!r}")
-
-
-class Load:
-    """Clients sending completions through the router, each waiting for its answer before the next."""
-
-    def __init__(self, url: str, clients: int = 6) -> None:
-        self.url = url
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
-
-    def _client(self) -> None:
-        body = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": 128}).encode()
-        while not self._stop.is_set():
-            request = urllib.request.Request(
-                f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    answer = json.loads(response.read())
-                assert answer["choices"][0]["text"]
-                self.ok += 1
-            except Exception as exc:
-                self.failures.append(repr(exc))
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(90)
 
 
 @contextlib.contextmanager
@@ -141,7 +94,7 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
         wait_for(lambda: ready() == 2, 120, "two ready instances")
         wait_for(lambda: "sim-router" in kubelet.routers, 30, "the router")
         url = kubelet.router_url("sim-router", 8000)
-        wait_for(lambda: _healthy(url), 60, "the router's /health")
+        wait_for(lambda: healthy(url), 60, "the router's /health")
 
         with Load(url) as load:
             wait_for(lambda: load.ok >= 5, 60, "requests through the router")
@@ -179,14 +132,6 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
     migrations = status()["migrations"]
     assert migrations["completed"] >= 1, migrations
     print(f"\n[cluster] {load.ok} requests ok, migrations {migrations}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts/llumnix/dashboards"
@@ -269,7 +214,7 @@ def start_autoscaled_service(cluster: EmulatedCluster, kubelet: Kubelet, name: s
     wait_for(lambda: ready() == 1, 120, "the first instance")
     wait_for(lambda: f"{name}-router" in kubelet.routers, 30, "the router")
     url = kubelet.router_url(f"{name}-router", 8000)
-    wait_for(lambda: _healthy(url), 60, "the router's /health")
+    wait_for(lambda: healthy(url), 60, "the router's /health")
     return url
 
 

@@ -38,6 +38,23 @@ def test_operator_flags_reach_kopf(argv: list[str], expected: dict, monkeypatch:
     assert {k: calls[0][k] for k in expected} == expected
 
 
+def test_replicas_rank_by_seniority_unless_given_a_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart's replicas share their arguments; kopf pauses every replica that sees one of the same
+    priority, so by default the one started first outranks the later ones (a restarted replica stands
+    by). The peering lifetime (how soon a standby takes over from a dead replica) reaches kopf."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(handlers, "api_client", lambda: None)
+    argv = ("operator", "--peering", "llumnix", "--metrics-port", "0")
+    for extra in ((), (), ("--priority", "7", "--peering-lifetime", "9")):
+        assert cli.run(parse(*argv, *extra)) == 0
+    first, second, given = calls
+    assert first["priority"] > second["priority"]
+    assert given["priority"] == 7 and given["settings"].peering.lifetime == 9
+    assert first["settings"].peering.lifetime == 60
+    assert cli.seniority_priority(2_000_000_000) > cli.seniority_priority(2_000_001_000)
+
+
 def test_no_credentials_is_a_clear_error(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

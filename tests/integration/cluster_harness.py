@@ -1,0 +1,65 @@
+"""What the cluster-in-a-test modules share: waiting for an event with a deadline that fails loudly,
+a steady closed-loop load through the router, and the router's /health."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_for(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: last {last!r}")
+
+
+class Load:
+    """Clients sending completions through the router, each waiting for its answer before the next."""
+
+    def __init__(self, url: str, clients: int = 6) -> None:
+        self.url = url
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
+
+    def _client(self) -> None:
+        body = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": 128}).encode()
+        while not self._stop.is_set():
+            request = urllib.request.Request(
+                f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answer = json.loads(response.read())
+                assert answer["choices"][0]["text"]
+                self.ok += 1
+            except Exception as exc:
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(90)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
