@@ -206,12 +206,13 @@ class Cluster:
         incoming = RequestLoad(
             request.request_id, request.prompt_tokens, request.generated, high_priority=request.high_priority
         )
-        decision = self.dispatcher.choose(
-            [instance.snapshot() for instance in self.ready], incoming, self._cached_blocks(request)
-        )
+        cached = self._cached_blocks(request)
+        decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming, cached)
         if decision is None:
             self.pending.append(request)
             return
+        request.best_cached_blocks = max(cached.values(), default=0)
+        request.dispatched_cached_blocks = cached.get(decision.instance_id, 0)
         instance = next(i for i in self.ready if i.instance_id == decision.instance_id)
         instance.enqueue(request)
         self._kick(instance)

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,3 +127,44 @@ def class_summaries(result: SimResult) -> dict[str, dict[str, float | int]]:
     high = [r for r in result.requests if r.trace_high_priority]
     normal = [r for r in result.requests if not r.trace_high_priority]
     return {"high": latency_summary(high), "normal": latency_summary(normal)}
+
+
+MISPLACED_BLOCKS = 32
+"""A request is misplaced when another instance had at least this many more blocks of its prompt
+cached than the one it was sent to (32 blocks of 16 tokens: 512 tokens, ~0.08 s of prefill)."""
+
+
+def prefix_dispatch_stats(
+    requests: Sequence[SimRequest], block_size: int, iteration_time: Callable[[int, int, int, int], float]
+) -> dict[str, float]:
+    """Where the P99 prefill latency of a shared-prefix run comes from.
+
+    - `floor_p99`: the P99 over requests of the prefill each would take alone on an idle instance that
+      had the most of its prompt cached at its dispatch (no instance could serve it faster then; the
+      cache contents themselves depend on the run's earlier choices).
+    - `misplaced`: share of requests sent where at least MISPLACED_BLOCKS fewer blocks of the prompt
+      were cached than on the best holder; `tail_misplaced`: the same among the requests at or above
+      the P99 prefill latency; `tail_queued`: share of those that waited longer than their own
+      uncached prefill would take alone (queueing rather than compute made them slow)."""
+    done = [r for r in requests if r.first_token_time >= 0]
+    if not done:
+        return {"floor_p99": 0.0, "misplaced": 0.0, "tail_misplaced": 0.0, "tail_queued": 0.0}
+
+    def alone(request: SimRequest, cached_blocks: int) -> float:
+        cached = min(cached_blocks * block_size, request.prompt_tokens - 1)
+        tokens = request.prompt_tokens - cached
+        return iteration_time(tokens, 0, 0, tokens * (2 * cached + tokens))
+
+    floor = np.array([alone(r, r.best_cached_blocks) for r in done])
+    prefill = np.array([r.first_token_time - r.arrival_time for r in done])
+    misplaced = np.array(
+        [r.best_cached_blocks - r.dispatched_cached_blocks >= MISPLACED_BLOCKS for r in done]
+    )
+    own = np.array([alone(r, r.dispatched_cached_blocks) for r in done])
+    tail = prefill >= np.percentile(prefill, 99)
+    return {
+        "floor_p99": float(np.percentile(floor, 99)),
+        "misplaced": float(misplaced.mean()),
+        "tail_misplaced": float(misplaced[tail].mean()),
+        "tail_queued": float((prefill[tail] - own[tail] > own[tail]).mean()),
+    }

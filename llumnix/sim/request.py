@@ -20,9 +20,11 @@ class SimRequest:
 
     __slots__ = (
         "arrival_time",
+        "best_cached_blocks",
         "block_hashes",
         "blocks",
         "cached_tokens",
+        "dispatched_cached_blocks",
         "finish_time",
         "first_token_time",
         "generated",
@@ -75,6 +77,10 @@ class SimRequest:
         """Content hashes of the full blocks of its tokens as far as they are known (prompt, and
         output where the trace fixes it or as it is generated; `llumnix.prefix_cache`); empty:
         content no other request shares."""
+        self.best_cached_blocks = 0
+        """At its (last) dispatch: the most blocks of its prompt any instance had cached."""
+        self.dispatched_cached_blocks = 0
+        """At its (last) dispatch: the blocks of its prompt the chosen instance had cached."""
         self.held_hashes: Sequence[int] = ()
         """The cached blocks it holds on its instance (a prefix of `block_hashes`)."""
         self.state = WAITING
