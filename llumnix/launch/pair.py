@@ -13,6 +13,7 @@ vLLM with the llumnix connector (`engine="vllm"`, needs `model_dir`) or the sim 
 from __future__ import annotations
 
 import dataclasses
+import random
 import signal
 import socket
 from dataclasses import dataclass
@@ -27,10 +28,29 @@ from llumnix.service_token import ServiceToken
 ENGINE_KINDS = ("vllm", "sim")
 
 
+PICKED_PORTS = range(20000, 32768)
+"""Where `free_port` looks: above the usual fixed service ports, below Linux's ephemeral range (32768 on),
+from which the kernel takes every outgoing connection's local port."""
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing is bound to now, for a child to bind later. Not from the ephemeral range (a
+    busy process's outgoing connections took such a port between the check and the child's bind,
+    which then failed) and never one this process handed out before (pairs started together pick
+    all their ports before any child binds one)."""
+    for _ in range(len(PICKED_PORTS)):
+        port = random.choice(PICKED_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PICKED_PORTS.start}-{PICKED_PORTS.stop - 1} on {host}")
 
 
 class Engine(Protocol):

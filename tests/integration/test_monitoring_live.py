@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from test_operator_cluster import (  # noqa: F401 (cluster is a fixture)
     start_autoscaled_service,
 )
 
+from llumnix.launch.pair import free_port
 from llumnix_operator.http_endpoint import OperatorEndpoint
 from llumnix_operator.metrics import OPERATOR_METRICS
 from llumnix_operator.naming import LLUMLET_HTTP_PORT
@@ -75,12 +75,6 @@ def may_have_no_quantile(expr: str) -> bool:
     scraped may all be a drained pod's, whose last scrape may come before they end (every histogram
     rate at 0 makes the quantile NaN); the committed migration the test waits for is `llumnix up`'s."""
     return expr.startswith("histogram_quantile(") and "llumnix_llumlet_migration_" in expr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
