@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, strategies
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     CheckFunction,
@@ -37,6 +37,11 @@ from llumnix.openai_stream import EndpointKind
 from llumnix.router.client_request import PrioritySettings, RequestLimits, parse_client_request
 from llumnix.router.openapi import openapi_document
 from llumnix.sim_engine.tokens import VOCAB_SIZE
+
+# hypothesis imports its random strategy's module on first use; schemathesis's negative mode first uses
+# it deep in a recursive draw, and CPython 3.11.7 compiling a module there can fail ("AST constructor
+# recursion depth mismatch", seen on a fresh clone with no bytecode cached). Import it up here.
+strategies.randoms().validate()
 
 MODEL = "sim"
 MAX_TOKENS = 8
