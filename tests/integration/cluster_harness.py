@@ -11,15 +11,32 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for(fn: Callable[[], Any], timeout: float, what: str) -> Any:
+def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
         last = fn()
         if last:
             return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: last {last!r}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
+
+
+def sim_service(name: str, replicas: int) -> dict[str, Any]:
+    """An LLMService of sim engine pods (1 to 3), migrating every 200 ms."""
+    return {
+        "apiVersion": "llumnix.io/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "sim"},
+            "replicas": replicas,
+            "instances": {"min": 1, "max": 3},
+            "engine": {"runtime": "sim", "resources": {"gpus": 0}},
+            "migration": {"intervalMs": 200},
+            "autoscaling": {"startupGraceSeconds": 120},
+        },
+    }
 
 
 class Load:

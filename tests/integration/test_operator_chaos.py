@@ -20,7 +20,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from cluster_harness import Load, healthy, wait_for
+from cluster_harness import Load, healthy, sim_service, wait_for
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
 
@@ -178,19 +178,7 @@ def test_two_operator_replicas_survive_chaos_under_load(tmp_path: Path) -> None:
             "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": PEERING}})
         operators.start()
         operators.start()
-        custom.create_namespaced_custom_object(G, V, NS, P, {
-            "apiVersion": f"{G}/{V}",
-            "kind": "LLMService",
-            "metadata": {"name": "sim"},
-            "spec": {
-                "model": {"name": "sim"},
-                "replicas": 2,
-                "instances": {"min": 1, "max": 3},
-                "engine": {"runtime": "sim", "resources": {"gpus": 0}},
-                "migration": {"intervalMs": 200},
-                "autoscaling": {"startupGraceSeconds": 120},
-            },
-        })
+        custom.create_namespaced_custom_object(G, V, NS, P, sim_service("sim", 2))
         wait_for(lambda: settled(2), 120, "two ready engine pods")
         wait_for(lambda: "sim-router" in kubelet.routers, 30, "the router")
         url = kubelet.router_url("sim-router", 8000)

@@ -17,7 +17,7 @@ from pathlib import Path
 import kopf
 import kubernetes
 import pytest
-from cluster_harness import Load, healthy, wait_for
+from cluster_harness import Load, healthy, sim_service, wait_for
 from kopf.testing import KopfRunner
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
@@ -72,25 +72,7 @@ def test_requests_survive_scaling_failure_and_drain(cluster: EmulatedCluster) ->
         return {n for n in cluster.emulator.live("pods") if n.startswith("sim-engine-")}
 
     with operator_and_kubelet(cluster) as (kubelet, runner):
-        custom.create_namespaced_custom_object(
-            G,
-            V,
-            NS,
-            P,
-            {
-                "apiVersion": f"{G}/{V}",
-                "kind": "LLMService",
-                "metadata": {"name": "sim"},
-                "spec": {
-                    "model": {"name": "sim"},
-                    "replicas": 2,
-                    "instances": {"min": 1, "max": 3},
-                    "engine": {"runtime": "sim", "resources": {"gpus": 0}},
-                    "migration": {"intervalMs": 200},
-                    "autoscaling": {"startupGraceSeconds": 120},
-                },
-            },
-        )
+        custom.create_namespaced_custom_object(G, V, NS, P, sim_service("sim", 2))
         wait_for(lambda: ready() == 2, 120, "two ready instances")
         wait_for(lambda: "sim-router" in kubelet.routers, 30, "the router")
         url = kubelet.router_url("sim-router", 8000)

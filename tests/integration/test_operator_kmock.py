@@ -4,14 +4,13 @@ nothing. There is no kubelet here: pods stay pending unless a test writes their 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import kopf
 import kubernetes
 import pytest
+from cluster_harness import wait_for
 from kopf.testing import KopfRunner
 from kube_emulator import EmulatedCluster
 
@@ -56,16 +55,6 @@ def operator() -> KopfRunner:
         ["run", "--standalone", "-n", NS, "-m", "llumnix_operator.handlers"], settings=settings, timeout=60
     )
 
-
-def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
 
 
 def reconciles(result: str) -> float:
