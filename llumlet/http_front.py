@@ -19,7 +19,6 @@ from llumlet.metrics import LlumletMetrics
 from llumnix.openai_request import (
     OpenAIRequestError,
     add_openai_routes,
-    check_generation_body,
     read_json_body,
     read_stream_fields,
 )
@@ -72,8 +71,9 @@ class HttpFront:
 
     async def _generate(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         try:
-            body = check_generation_body(endpoint, await read_json_body(request, MAX_BODY_BYTES))
-            read_stream_fields(body)  # `stream`: "false" does not stream, as in vLLM
+            body = await read_json_body(request, MAX_BODY_BYTES)
+            if isinstance(body, dict):  # anything else: admission refuses it
+                read_stream_fields(body)  # `stream`: "false" does not stream, as in vLLM
         except OpenAIRequestError as exc:
             return exc.response()
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"llumlet-{uuid.uuid4().hex}"
