@@ -2,6 +2,8 @@
 are sent by the sender thread to a destination's staging service and written into another cache, over
 tcp and over a gloo pair channel (the path NCCL takes on GPUs)."""
 
+import time
+
 import pytest
 import torch
 from waiting import wait_until_sync
@@ -153,12 +155,26 @@ def test_connector_workers_move_a_final_stage_and_load_it(tmp_path, rendezvous, 
     source, target = ConnectorWorker(block_size), ConnectorWorker(block_size)
     source.register_kv_caches(source_cache, 16)
     target.register_kv_caches(target_cache, 16)
-    pull = zmq.Context.instance().socket(zmq.PULL)
+    pulls = {name: zmq.Context.instance().socket(zmq.PULL) for name in ("source", "target")}
+
+    def next_event(name: str, kind: int, timeout_s: float = 30.0) -> MigrationEvent:
+        """The next event of `kind` from one worker (its STAGING_HELD reports, every second, and other
+        kinds are skipped); fails once `timeout_s` has passed without one."""
+        deadline = time.monotonic() + timeout_s
+        while (left_ms := int(1e3 * (deadline - time.monotonic()))) > 0 and pulls[name].poll(left_ms):
+            event = MigrationEvent.FromString(pulls[name].recv())
+            if event.kind == kind:
+                return event
+        raise AssertionError(f"no event of kind {kind} from the {name} worker in {timeout_s:g} s")
+
     try:
         for name, worker in (("source", source), ("target", target)):
             worker.start_migration(f"ipc://{tmp_path}/{name}-events", "127.0.0.1", 0,
                                    send_timeout_s=5, staging_lease_s=60)
-            pull.connect(f"ipc://{tmp_path}/{name}-events")
+            pulls[name].connect(f"ipc://{tmp_path}/{name}-events")
+            # An event sent before the connection is up is dropped (the publisher never blocks the
+            # engine); the first periodic staging report says it is up.
+            next_event(name, MIGRATION_EVENT_KIND_STAGING_HELD)
         assert source.kv_channels == ["tcp", "gloo"] and target.kv_address.startswith("tcp://127.0.0.1:")
 
         destination = _destination(rendezvous, target.kv_address, transport)
@@ -170,25 +186,19 @@ def test_connector_workers_move_a_final_stage_and_load_it(tmp_path, rendezvous, 
         source.copy_exports([final], final=True)
         assert source.take_finished_sending() == {"engine-r"}
 
-        def next_event(kind: int) -> MigrationEvent:
-            while pull.poll(10_000):
-                event = MigrationEvent.FromString(pull.recv())
-                if event.kind == kind:
-                    return event
-            raise AssertionError(f"no event of kind {kind}")
-
-        next_event(MIGRATION_EVENT_KIND_STAGE_RECEIVED)
+        next_event("target", MIGRATION_EVENT_KIND_STAGE_RECEIVED)
         # The last token is recomputed: tokens [0, 5) come from staging, into blocks 12 and 5.
         target.start_load([], [LoadItem("m", "r", "engine-r2", 0, 5, (12, 5))])
-        assert next_event(MIGRATION_EVENT_KIND_LOADED).num_tokens == 5
+        assert next_event("target", MIGRATION_EVENT_KIND_LOADED).num_tokens == 5
         assert target.take_load_errors() == set()
         copier = KVBlockCopier(target_cache, 16)
         assert torch.equal(copier.copy_out([12, 5]), KVBlockCopier(source_cache, 16).copy_out([3, 7]))
 
         target.start_load([], [LoadItem("gone", "r", "engine-r3", 0, 5, (1, 2))])
-        assert "no staging" in next_event(MIGRATION_EVENT_KIND_LOAD_FAILED).error
+        assert "no staging" in next_event("target", MIGRATION_EVENT_KIND_LOAD_FAILED).error
         assert target.take_load_errors() == {1, 2}
     finally:
-        pull.close(linger=0)
+        for pull in pulls.values():
+            pull.close(linger=0)
         source.close()
         target.close()
