@@ -201,6 +201,33 @@ def memory_load(load: InstanceLoad) -> float:
     return (load.used_blocks + load.reserved_blocks + queued_demand(load)) / max(1, load.total_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterDemand:
+    """The serving instances' requests seen as one instance's: the KV blocks they hold, reserve or
+    wait for (each queued one's whole need, plus the high-priority headroom) and how many they are
+    (running and queued). No instance joining or leaving changes it, only load coming or going."""
+
+    blocks: float = 0.0
+    requests: int = 0
+
+    def freeness(self, capacity: float) -> float:
+        return (capacity - self.blocks) / max(1, self.requests)
+
+
+def cluster_demand(loads: Iterable[InstanceLoad], config: LoadModelConfig = DEFAULT_LOAD_MODEL
+                   ) -> ClusterDemand:
+    """The demand of the instances that are not draining (a draining one's requests are leaving)."""
+    blocks = 0.0
+    requests = 0
+    for load in loads:
+        if load.draining:
+            continue
+        blocks += load.used_blocks + load.reserved_blocks + queued_demand(load)
+        blocks += high_priority_headroom(load, config)
+        requests += len(load.running) + len(load.waiting)
+    return ClusterDemand(blocks, requests)
+
+
 def aggregate_freeness(
     loads: Iterable[InstanceLoad],
     config: LoadModelConfig = DEFAULT_LOAD_MODEL,
@@ -210,24 +237,16 @@ def aggregate_freeness(
     """Freeness of the cluster seen as one instance, for capacity planning (autoscaling).
 
     The whole backlog counts: every queued request's blocks are usage and every queued request is
-    in the batch, as in the Llumnix artifact's scaling load. An instance's own freeness looks only
-    at its head of line (what its next iterations face), but instances to add or remove must cover
-    every queued request; counting only each queue's head hid a backlog of dozens of requests.
-    Draining instances count neither capacity nor batch (their requests are leaving);
+    in the batch, as in the Llumnix artifact's scaling load (`cluster_demand`). An instance's own
+    freeness looks only at its head of line (what its next iterations face), but instances to add or
+    remove must cover every queued request; counting only each queue's head hid a backlog of dozens
+    of requests. Draining instances count neither capacity nor batch (their requests are leaving);
     `exclude_capacity_of` removes one instance's capacity but keeps its requests (the cluster after
     that instance is drained); `added_blocks` is capacity not serving yet (instances starting)."""
-    capacity = float(added_blocks)
-    usage = 0.0
-    batch = 0
-    for load in loads:
-        if load.draining:
-            continue
-        if load.instance_id != exclude_capacity_of:
-            capacity += load.total_blocks
-        usage += load.used_blocks + load.reserved_blocks + queued_demand(load)
-        usage += high_priority_headroom(load, config)
-        batch += len(load.running) + len(load.waiting)
-    return (capacity - usage) / max(1, batch)
+    serving = [load for load in loads if not load.draining]
+    capacity = added_blocks + sum(load.total_blocks for load in serving
+                                  if load.instance_id != exclude_capacity_of)
+    return cluster_demand(serving, config).freeness(capacity)
 
 
 def without_requests(load: InstanceLoad, request_ids: Collection[str]) -> InstanceLoad:

@@ -9,6 +9,7 @@ from llumnix.control.backend import InstancePhase
 from llumnix.control.drains import Drains
 from llumnix.control.fleet import Fleet
 from llumnix.control.reporting import Reporter
+from llumnix.load import ClusterDemand
 from llumnix.policies import autoscaling
 from llumnix.service_spec import ServiceSettings
 
@@ -22,8 +23,8 @@ class AutoscalingPass:
         self.target: int | None = None
         """The instance count autoscaling wants (None: not yet adopted)."""
         self._scale_down_wanted_since: float | None = None
-        self._last_aggregate: float | None = None
-        """The previous decision's aggregate freeness: how fast it falls sets how early to scale up."""
+        self._last_demand: ClusterDemand | None = None
+        """The previous decision's demand: how fast it rises sets how early, and by how many, to scale up."""
 
     def adopt_target(self) -> None:
         """Start from the serving count found (instances starting or READY, not draining)."""
@@ -40,12 +41,12 @@ class AutoscalingPass:
             return False  # a READY instance without a load yet: decide on the whole picture only
         config = settings.autoscaling
         action = autoscaling.decide(loads, self.fleet.count(InstancePhase.STARTING), config,
-                                    settings.load_model, self._last_aggregate)
-        self._last_aggregate = action.aggregate_freeness
+                                    settings.load_model, self._last_demand)
+        self._last_demand = action.demand
         if action.kind != "drain":
             self._scale_down_wanted_since = None
         if action.kind == "scale-up":
-            self.target = min(desired + 1, config.max_instances)
+            self.target = min(desired + action.count, config.max_instances)
             self.reporter.decide("scale-up", action.reason)
         elif action.kind == "cancel-drain" and action.instance_id is not None:
             self.target = min(desired + 1, config.max_instances)

@@ -1,10 +1,12 @@
 """Autoscaling policy: the cluster's aggregate freeness against two bounds.
 
-- Below `scale_up_below`, now or one start-up delay ahead at the rate it fell over the last
-  interval: start one instance (up to `max_instances`). Instances still starting count with their
-  empty capacity: another one starts only while the cluster would still be below the bound with them
-  serving, so a slow start-up neither triggers a stampede nor, as a rule of
-  one start-up at a time did, holds a growing backlog to one new instance per start-up delay.
+- Below `scale_up_below`, now or one start-up delay ahead: start as many instances as it takes for
+  the cluster to reach the bound once they serve (up to `max_instances`). "Ahead" projects the
+  cluster's demand (`llumnix.load.ClusterDemand`: the KV blocks its requests hold or wait for, and
+  how many requests), not its freeness: blocks rising over the last interval are assumed to keep
+  rising as fast for one start-up delay (`projected_demand`). Instances still starting count with
+  their empty capacity, so a slow start-up neither triggers a stampede nor holds a growing backlog
+  to one new instance per start-up delay.
 - Above `scale_down_above` even with one instance's capacity removed: pick the freest instance
   (ties: fewest requests), mark it draining; migration empties it.
 - A drained instance, once empty, is parked: kept for `park_s` before it is released
@@ -13,15 +15,25 @@
   (`reuse_order`), so a burst soon after a scale-down gets back an instance that serves now
   instead of one that serves a start-up delay later. While one is parked, no other drains.
 
-`decide` is pure: the caller keeps the instance list and applies the returned action.
+`decide` is pure: the caller keeps the instance list and the previous decision's demand, and applies
+the returned action.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from llumnix.load import DEFAULT_LOAD_MODEL, InstanceLoad, LoadModelConfig, aggregate_freeness, freeness
+from llumnix.load import (
+    DEFAULT_LOAD_MODEL,
+    ClusterDemand,
+    InstanceLoad,
+    LoadModelConfig,
+    aggregate_freeness,
+    cluster_demand,
+    freeness,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +44,8 @@ class AutoscalingConfig:
     max_instances: int = 16
     interval_s: float = 10.0
     startup_delay_s: float = 30.0
-    """Time from starting an instance until it serves: the simulator's model, and how far ahead a
-    falling aggregate freeness is projected (the control loop uses `startupGraceSeconds`)."""
+    """Time from starting an instance until it serves: the simulator's model, and how far ahead
+    rising demand is projected (the control loop uses `startupGraceSeconds`)."""
     park_s: float = 60.0
     """How long a drained, empty instance is kept before it is released (0: released at once)."""
 
@@ -53,6 +65,10 @@ class ScalingAction:
     instance_id: str | None = None
     reason: str = ""
     aggregate_freeness: float = 0.0
+    count: int = 1
+    """Instances a scale-up starts."""
+    demand: ClusterDemand = field(default_factory=ClusterDemand)
+    """The serving instances' demand when decided: the next decision's `previous`."""
 
 
 def drain_candidate(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFAULT_LOAD_MODEL) -> str | None:
@@ -84,31 +100,35 @@ def reuse_order(loads: Sequence[InstanceLoad], model: LoadModelConfig = DEFAULT_
     return [load.instance_id for load in draining]
 
 
-def _short_with_starting(
-    serving: Sequence[InstanceLoad], starting: int, config: AutoscalingConfig, model: LoadModelConfig
-) -> bool:
-    """Whether the cluster stays below the lower bound once the `starting` instances serve (each
-    as large as the serving ones on average; with none serving, one start-up at a time)."""
-    if starting == 0:
-        return True
+def projected_demand(demand: ClusterDemand, previous: ClusterDemand | None, config: AutoscalingConfig
+                     ) -> ClusterDemand:
+    """The demand one start-up delay ahead if its blocks keep rising as they rose since the previous
+    decision (`previous`; None: no projection). A fall projects nothing (finishing requests do not
+    postpone a scale-up); the request count is not extrapolated (measured: it cost instances and
+    tail latency on Fig. 14, docs/reproduction.md).
+
+    Demand, not freeness: a burst's requests arrive faster than instances start, and what they will
+    need is the rise in blocks, whichever instances take them. The freeness projection this replaced
+    (issue #18) read the same load as freer on a system that queues less, and it started at most one
+    instance per decision."""
+    if previous is None or demand.blocks <= previous.blocks:
+        return demand
+    steps = config.startup_delay_s / config.interval_s
+    return ClusterDemand(demand.blocks + steps * (demand.blocks - previous.blocks), demand.requests)
+
+
+def instances_short(
+    demand: ClusterDemand, serving: Sequence[InstanceLoad], starting: int, config: AutoscalingConfig
+) -> int:
+    """Instances to start, beyond the `starting` ones, for `demand` to leave the cluster at least
+    at `scale_up_below` (each new one as large as the serving ones on average; with none serving,
+    one start-up at a time). 0 or less: enough serves or is on its way."""
     if not serving:
-        return False
-    per_instance = sum(load.total_blocks for load in serving) // len(serving)
-    return aggregate_freeness(serving, model, added_blocks=starting * per_instance) < config.scale_up_below
-
-
-def projected_freeness(
-    aggregate: float, previous_aggregate: float | None, config: AutoscalingConfig
-) -> float:
-    """The aggregate freeness one start-up delay ahead, if it keeps falling as it did over the last
-    decision interval (never above the current value: a rise does not postpone a scale-up).
-
-    Only within the bounds: above `scale_down_above` the cluster is far from short, and freeness
-    (headroom divided by a small batch) swings by hundreds as a few requests come and go there."""
-    if previous_aggregate is None or aggregate >= previous_aggregate or aggregate > config.scale_down_above:
-        return aggregate
-    slope = (aggregate - previous_aggregate) / config.interval_s
-    return aggregate + slope * config.startup_delay_s
+        return 1 - starting
+    capacity = sum(load.total_blocks for load in serving)
+    per_instance = capacity // len(serving)
+    wanted = config.scale_up_below * max(1.0, demand.requests) + demand.blocks
+    return math.ceil((wanted - capacity) / per_instance) - starting
 
 
 def decide(
@@ -116,41 +136,46 @@ def decide(
     starting: int,
     config: AutoscalingConfig = AutoscalingConfig(),
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
-    previous_aggregate: float | None = None,
+    previous: ClusterDemand | None = None,
 ) -> ScalingAction:
     """One autoscaling step over the serving and draining instances plus `starting` ones.
 
-    `previous_aggregate` is the aggregate freeness of the previous decision (its action's
-    `aggregate_freeness`): a falling aggregate scales up once it would cross the lower bound within
-    one start-up delay, so the new instance serves when the cluster gets short, not a start-up delay
-    after."""
+    `previous` is the demand of the previous decision (its action's `demand`): rising demand is
+    projected one start-up delay ahead, and a scale-up starts enough instances for the projection,
+    so they serve when the load arrives, not a start-up delay after. Above `scale_down_above` the
+    cluster is far from short and nothing is projected."""
     serving = [load for load in loads if not load.draining]
     reuse = reuse_order(loads, model)
     # One drain at a time, parking included: a parked instance is the capacity a burst gets back
     # at once, and draining a second one while it waits would shrink the cluster twice as fast
     # (measured on Fig. 14: docs/reproduction.md, "Parking drained instances").
     draining = bool(reuse)
-    agg = aggregate_freeness(serving, model)
-    ahead = projected_freeness(agg, previous_aggregate, config)
+    demand = cluster_demand(serving, model)
+    capacity = sum(load.total_blocks for load in serving)
+    agg = demand.freeness(capacity)
+    ahead = projected_demand(demand, previous, config) if agg <= config.scale_down_above else demand
+    ahead_agg = ahead.freeness(capacity)
 
     if len(serving) + starting < config.min_instances:
         below = f"fewer than min_instances={config.min_instances}"
         if reuse:
-            return ScalingAction("cancel-drain", reuse[0], below, agg)
-        return ScalingAction("scale-up", None, below, agg)
-    if ahead < config.scale_up_below:
-        falling = f"aggregate freeness {agg:.1f}, {ahead:.1f} one start-up ahead"
+            return ScalingAction("cancel-drain", reuse[0], below, agg, demand=demand)
+        return ScalingAction("scale-up", None, below, agg, demand=demand)
+    if ahead_agg < config.scale_up_below:
+        falling = f"aggregate freeness {agg:.1f}, {ahead_agg:.1f} one start-up ahead"
         if reuse:
-            return ScalingAction("cancel-drain", reuse[0], f"{falling}, fell again", agg)
-        room = len(serving) + starting < config.max_instances
-        if room and _short_with_starting(serving, starting, config, model):
-            return ScalingAction("scale-up", None, f"{falling} < {config.scale_up_below}", agg)
-        return ScalingAction("none", None, "scale-up pending or at max_instances", agg)
+            return ScalingAction("cancel-drain", reuse[0], f"{falling}, fell again", agg, demand=demand)
+        count = min(instances_short(ahead, serving, starting, config),
+                    config.max_instances - len(serving) - starting)
+        if count > 0:
+            reason = f"{falling} < {config.scale_up_below}: {count} more"
+            return ScalingAction("scale-up", None, reason, agg, count, demand)
+        return ScalingAction("none", None, "scale-up pending or at max_instances", agg, demand=demand)
     if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
         victim = drain_candidate(serving, model)
         assert victim is not None
         without = aggregate_freeness(serving, model, exclude_capacity_of=victim)
         if without > config.scale_down_above:
             reason = f"aggregate freeness {without:.1f} without it > {config.scale_down_above}"
-            return ScalingAction("drain", victim, reason, agg)
-    return ScalingAction("none", None, "", agg)
+            return ScalingAction("drain", victim, reason, agg, demand=demand)
+    return ScalingAction("none", None, "", agg, demand=demand)

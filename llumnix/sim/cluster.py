@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llumnix.load import RequestLoad
+from llumnix.load import ClusterDemand, RequestLoad
 from llumnix.policies.autoscaling import decide, drained_empty, release_due
 from llumnix.policies.dispatch import make_dispatch_policy
 from llumnix.policies.migration import admits, pair_migrations, select_request
@@ -108,7 +108,8 @@ class Cluster:
         self._drain_wanted_since: float | None = None
         self._empty_since: dict[str, float] = {}
         """Drained instances found empty at an autoscaling tick (parked), and since when."""
-        self._last_aggregate: float | None = None
+        self._last_demand: ClusterDemand | None = None
+        """The previous autoscaling decision's demand (`decide`'s `previous`)."""
         self._heap: list[tuple[float, int, Callable[[Any, float], None], Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -290,9 +291,9 @@ class Cluster:
             len(self.starting),
             scaling,
             self.config.load_model,
-            self._last_aggregate,
+            self._last_demand,
         )
-        self._last_aggregate = action.aggregate_freeness
+        self._last_demand = action.demand
         drain_wanted_for = 0.0
         if action.kind != "drain":
             self._drain_wanted_since = None
@@ -301,10 +302,11 @@ class Cluster:
                 self._drain_wanted_since = now
             drain_wanted_for = now - self._drain_wanted_since
         if action.kind == "scale-up":
-            instance = self._new_instance()
-            self.starting.append(instance)
+            for _ in range(action.count):
+                instance = self._new_instance()
+                self.starting.append(instance)
+                self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
             self._record_instances()
-            self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
         elif action.kind == "drain" and drain_wanted_for < self.config.scale_down_stabilization_s:
             pass  # not wanted for long enough yet
         elif action.kind in ("drain", "cancel-drain"):

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from llumnix.load import InstanceLoad, RequestLoad, aggregate_freeness
+from llumnix.load import ClusterDemand, InstanceLoad, RequestLoad, aggregate_freeness, cluster_demand
 from llumnix.policies.autoscaling import (
     AutoscalingConfig,
     decide,
     drain_candidate,
     drained_empty,
-    projected_freeness,
+    projected_demand,
     release_due,
     reuse_order,
 )
@@ -47,6 +47,9 @@ def test_starting_instances_count_with_their_capacity() -> None:
     # Two starting: (400 - 196) / 20 = 10.2 -> enough is on its way.
     assert decide(loads, starting=2, config=CFG).kind == "none"
     assert aggregate_freeness(loads, added_blocks=200) == pytest.approx(10.2)
+    # None starting: both are started at once (one: 5.2, still short).
+    action = decide(loads, starting=0, config=CFG)
+    assert action.kind == "scale-up" and action.count == 2
 
 
 def queued(iid: str, prompt_tokens: tuple[int, ...]) -> InstanceLoad:
@@ -155,24 +158,62 @@ def test_config_validation() -> None:
         AutoscalingConfig(park_s=-1.0)
 
 
-def test_a_falling_aggregate_scales_up_one_start_up_ahead() -> None:
-    # (200 - 100) / 4 = 25: between the bounds. Ten seconds ago it was 31, so it falls 0.6 per second;
-    # 30 s of start-up ahead it reads 25 - 18 = 7 < 10: start an instance now.
+def test_demand_is_what_the_aggregate_freeness_divides_and_no_capacity_changes_it() -> None:
+    high = InstanceLoad("h", 100, 80, 16, running=(RequestLoad("h-0", 320, blocks=20, high_priority=True),))
+    loads = [queued("a", (320, 160)), inst("b", 50, 2), inst("c", 10, 1, draining=True), high]
+    demand = cluster_demand(loads)
+    capacity = sum(load.total_blocks for load in loads if not load.draining)
+    assert aggregate_freeness(loads) == pytest.approx((capacity - demand.blocks) / demand.requests)
+    # An instance joining (or leaving, its requests migrated away) changes capacity, not demand.
+    assert cluster_demand([*loads, inst("d")]) == demand
+    assert cluster_demand([]) == ClusterDemand(0.0, 0)
+
+
+def test_rising_demand_scales_up_one_start_up_ahead() -> None:
+    # (200 - 100) / 4 = 25: between the bounds. Ten seconds ago the requests held 76 blocks: rising
+    # 2.4 blocks/s, 30 s of start-up ahead they hold 172: (200 - 172) / 4 = 7 < 10 -> start one now.
     loads = [inst("a", 50, 2), inst("b", 50, 2)]
     assert decide(loads, starting=0, config=CFG).kind == "none"
-    action = decide(loads, starting=0, config=CFG, previous_aggregate=31.0)
-    assert action.kind == "scale-up" and action.aggregate_freeness == pytest.approx(25.0)
-    # Falling more slowly (from 28: 25 - 9 = 16 ahead) or rising changes nothing.
-    assert decide(loads, starting=0, config=CFG, previous_aggregate=28.0).kind == "none"
-    assert decide(loads, starting=0, config=CFG, previous_aggregate=20.0).kind == "none"
-    assert projected_freeness(25.0, 31.0, CFG) == pytest.approx(7.0)
-    assert projected_freeness(25.0, 20.0, CFG) == 25.0
-    assert projected_freeness(25.0, None, CFG) == 25.0
+    action = decide(loads, starting=0, config=CFG, previous=ClusterDemand(76, 4))
+    assert action.kind == "scale-up" and action.count == 1
+    assert action.aggregate_freeness == pytest.approx(25.0) and action.demand == ClusterDemand(100, 4)
+    assert projected_demand(ClusterDemand(100, 4), ClusterDemand(76, 4), CFG) == ClusterDemand(172, 4)
+    # Rising more slowly (from 80: (200 - 160) / 4 = 10 ahead) or falling changes nothing.
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(80, 4)).kind == "none"
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(120, 6)).kind == "none"
+    assert projected_demand(ClusterDemand(100, 4), ClusterDemand(120, 6), CFG) == ClusterDemand(100, 4)
+    assert projected_demand(ClusterDemand(100, 4), None, CFG) == ClusterDemand(100, 4)
+    # Only the blocks are projected, not the request count: from (90 blocks, 2 requests),
+    # (200 - 130) / 4 = 17.5.
+    assert projected_demand(ClusterDemand(100, 4), ClusterDemand(90, 2), CFG) == ClusterDemand(130, 4)
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(90, 2)).kind == "none"
 
 
-def test_a_falling_aggregate_cancels_a_drain_before_it_is_short() -> None:
+def test_a_burst_starts_every_instance_it_needs_at_once_even_while_others_start() -> None:
+    # Demand rose by 90 blocks in the last interval: 30 s ahead 370 blocks for 4 requests; the
+    # bound needs 4 * 10 + 370 = 410 blocks of capacity, 200 serve: start 3.
+    cfg = replace(CFG, max_instances=8)
+    loads = [inst("a", 50, 2), inst("b", 50, 2)]
+    action = decide(loads, starting=0, config=cfg, previous=ClusterDemand(10, 1))
+    assert action.kind == "scale-up" and action.count == 3
+    # One already starting: 2 more. The freeness with it, (300 - 100) / 4 = 50, is no reason to wait.
+    action = decide(loads, starting=1, config=cfg, previous=ClusterDemand(10, 1))
+    assert action.kind == "scale-up" and action.count == 2
+    assert decide(loads, starting=3, config=cfg, previous=ClusterDemand(10, 1)).kind == "none"
+    # Never past max_instances.
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(10, 1)).count == 2
+
+
+def test_nothing_is_projected_above_the_upper_bound() -> None:
+    # (200 - 50) / 1 = 150 > 60: far from short; a rise of 50 blocks is not projected (it would
+    # read (200 - 200) / 1 = 0), and without b's capacity (100 - 50) / 1 = 50 < 60: no drain either.
+    loads = [inst("a", 50, 1), inst("b", 0, 0)]
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(0, 0)).kind == "none"
+
+
+def test_rising_demand_cancels_a_drain_before_it_is_short() -> None:
     # c drains and still runs one request.
     loads = [inst("a", 50, 2), inst("b", 50, 2), inst("c", 10, 1, draining=True)]
     assert decide(loads, starting=0, config=CFG).kind == "none"
-    action = decide(loads, starting=0, config=CFG, previous_aggregate=31.0)
+    action = decide(loads, starting=0, config=CFG, previous=ClusterDemand(76, 4))
     assert action.kind == "cancel-drain" and action.instance_id == "c"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from llumnix.load import (
     DEFAULT_LOAD_MODEL,
+    ClusterDemand,
     InstanceLoad,
     RequestLoad,
     aggregate_freeness,
@@ -295,16 +296,20 @@ def test_a_destination_admits_only_what_fits_and_leaves_it_free(
         assert freeness(taken) >= config.destination_freeness
 
 
-@given(clusters(), st.integers(0, 3), st.integers(0, 4), st.integers(1, 10), st.none() | finite)
+demands = st.builds(ClusterDemand, st.floats(0, 1e6), st.integers(0, 10_000))
+
+
+@given(clusters(), st.integers(0, 3), st.integers(0, 4), st.integers(1, 10), st.none() | demands)
 def test_autoscaling_stays_within_its_bounds(
-    loads: list[InstanceLoad], starting: int, min_instances: int, extra: int, previous: float | None
+    loads: list[InstanceLoad], starting: int, min_instances: int, extra: int, previous: ClusterDemand | None
 ) -> None:
     config = AutoscalingConfig(min_instances=min_instances, max_instances=min_instances + extra)
-    action = decide(loads, starting, config, previous_aggregate=previous)
+    action = decide(loads, starting, config, previous=previous)
     serving = [load for load in loads if not load.draining]
     by_id = {load.instance_id: load for load in loads}
     if action.kind == "scale-up":
-        assert len(serving) + starting < config.max_instances
+        assert action.count >= 1
+        assert len(serving) + starting + action.count <= config.max_instances
     elif action.kind == "drain":
         assert action.instance_id in {load.instance_id for load in serving}
         assert len(serving) > max(1, config.min_instances) and starting == 0

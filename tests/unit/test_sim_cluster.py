@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -88,7 +89,9 @@ def burst_then_quiet() -> list[TraceRequest]:
 
 @pytest.mark.parametrize("policy", ["llumnix", "infaas++"])
 def test_autoscaling_scales_up_then_drains_and_releases(audited: Counter[str], policy: str) -> None:
-    scaling = AutoscalingConfig(min_instances=1, max_instances=8, interval_s=2.0, startup_delay_s=5.0)
+    # Released once empty (no parking: its own tests below); INFaaS++'s drain ends late in the quiet tail.
+    scaling = AutoscalingConfig(min_instances=1, max_instances=8, interval_s=2.0, startup_delay_s=5.0,
+                                park_s=0.0)
     trace = burst_then_quiet()
     cluster = Cluster(trace, system(policy), PROFILE, instances=2, config=SimConfig(autoscaling=scaling))
     result = cluster.run()
@@ -159,6 +162,16 @@ def test_a_scale_up_puts_a_parked_instance_back_instead_of_starting_one(
     assert flags[:2] == [("i003", True), ("i003", False)]
     assert ids == ["i000", "i001", "i002", "i003"] and not cluster.released
     assert any(r.instance_id == "i003" and r.arrival_time > 60.0 for r in cluster.requests)
+
+
+def test_a_burst_starts_several_instances_at_one_decision() -> None:
+    # One instance, then M-M at 12 req/s: the demand one start-up ahead needs more than one more
+    # instance, and they are started together rather than one per autoscaling interval.
+    scaling = AutoscalingConfig(min_instances=1, max_instances=8, interval_s=10.0)
+    burst = generate_trace("M-M", 300, rate=12.0, seed=3)
+    config = SimConfig(autoscaling=scaling)
+    counts = Cluster(burst, system("llumnix"), PROFILE, instances=1, config=config).run().instance_counts
+    assert max(after - before for before, after in pairwise(counts)) >= 2
 
 
 def test_chunked_prefill_serves_every_request(audited: Counter[str]) -> None:
