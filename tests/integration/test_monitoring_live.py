@@ -277,13 +277,17 @@ def test_every_dashboard_panel_has_data_in_prometheus(
         # what the run did is in Prometheus once the last scrapes of it landed
         wait_for(lambda: in_prometheus('llumnix_operator_scaling_events_total{reason="Released"} > 0'), 30,
                  "the release scraped")
-        # a migration on the `llumnix up` service too, whose llumlets stay (a drained pod's last
-        # scrape may come before its migrations end)
-        wait_for(lambda: local.migrate("local-0", "local-1") == "committed", 60, "`llumnix admin migrate`")
+        # migrations on the `llumnix up` service too, whose llumlets stay (a drained pod's last
+        # scrape may come before its migrations end). Two, each scraped, from the same source: a
+        # histogram's series appears with its first observation, and the panels' rate() needs it to
+        # rise between two scrapes.
         downtime = "llumnix_llumlet_migration_downtime_seconds_count"
-        wait_for(lambda: in_prometheus(f'{downtime}{{instance="{local.llumlets[0]}"}} > 0')
-                 or in_prometheus(f'{downtime}{{instance="{local.llumlets[1]}"}} > 0'), 30,
-                 "the committed migration scraped")
+        for count in (1, 2):
+            wait_for(lambda: local.migrate("local-0", "local-1") == "committed", 60,
+                     "`llumnix admin migrate`")
+            wait_for(lambda count=count: any(in_prometheus(f'{downtime}{{instance="{llumlet}"}} >= {count}')
+                                             for llumlet in local.llumlets), 30,
+                     f"committed migration {count} scraped")
         for llumlet in local.llumlets:  # the local service was scraped too
             assert in_prometheus(f'max_over_time(llumnix_llumlet_total_blocks{{instance="{llumlet}"}}[10m])')
         assert in_prometheus(f'llumnix_router_requests_total{{instance="{local.router}",status="200"}} > 0')
