@@ -292,34 +292,25 @@ async def test_a_restarted_loop_adopts_what_exists_and_changes_nothing() -> None
     assert second.events == []
 
 
-async def test_autoscaling_scales_up_while_demand_rises_toward_the_bound() -> None:
+@pytest.mark.parametrize(("blocks_after", "started"), [
+    # 13 now; demand rose 80 -> 96 blocks, 30 s ahead 144: (200 - 144) / 8 = 7 -> start one
+    (12, 3),
+    # 10 now; demand rose 80 -> 120 blocks, 30 s ahead 240: the bound needs 8 * 10 + 240 = 320 blocks
+    # of capacity, 200 serve -> two more, started together
+    (15, 4),
+])
+async def test_autoscaling_starts_what_rising_demand_needs_one_start_up_ahead(blocks_after: int,
+                                                                            started: int) -> None:
     # 100 blocks per instance; default bounds [10, 60], interval 10 s, start-up horizon 30 s (grace).
-    service = settings(instances={"min": 2, "max": 4}, replicas=2, autoscaling={"enabled": True})
+    service = settings(instances={"min": 2, "max": 6}, replicas=2, autoscaling={"enabled": True})
     h = Harness(service)
     await h.bring_up()
     h.load("i0", *(request(f"a{k}", 10) for k in range(4)))
     h.load("i1", *(request(f"b{k}", 10) for k in range(4)))
     await h.loop.autoscale()  # (200 - 80) / 8 = 15: between the bounds, nothing to do
     assert h.backend.started == ["i0", "i1"]
-    h.load("i0", *(request(f"a{k}", 12) for k in range(4)))
-    h.load("i1", *(request(f"b{k}", 12) for k in range(4)))
-    # 13 now; demand rose 80 -> 96 blocks, 30 s ahead 144: (200 - 144) / 8 = 7 -> start one
+    h.load("i0", *(request(f"a{k}", blocks_after) for k in range(4)))
+    h.load("i1", *(request(f"b{k}", blocks_after) for k in range(4)))
     await h.loop.autoscale()
-    assert h.backend.started == ["i0", "i1", "i2"]
-    assert h.loop.status().last_decision.kind == "scale-up"
-
-
-async def test_a_burst_raises_the_target_by_every_instance_it_needs_at_once() -> None:
-    service = settings(instances={"min": 2, "max": 6}, replicas=2, autoscaling={"enabled": True})
-    h = Harness(service)
-    await h.bring_up()
-    h.load("i0", *(request(f"a{k}", 10) for k in range(4)))
-    h.load("i1", *(request(f"b{k}", 10) for k in range(4)))
-    await h.loop.autoscale()
-    h.load("i0", *(request(f"a{k}", 15) for k in range(4)))
-    h.load("i1", *(request(f"b{k}", 15) for k in range(4)))
-    # (200 - 120) / 8 = 10; demand rose 80 -> 120 blocks, 30 s ahead 240: the bound needs
-    # 8 * 10 + 240 = 320 blocks of capacity, 200 serve -> two more, started together.
-    await h.loop.autoscale()
-    assert h.backend.started == ["i0", "i1", "i2", "i3"] and h.loop.desired == 4
+    assert h.backend.started == [f"i{k}" for k in range(started)] and h.loop.desired == started
     assert h.loop.status().last_decision.kind == "scale-up"
