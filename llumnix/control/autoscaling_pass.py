@@ -46,10 +46,11 @@ class AutoscalingPass:
         if action.kind != "drain":
             self._scale_down_wanted_since = None
         if action.kind == "scale-up":
-            self.target = min(desired + action.count, config.max_instances)
+            self.target = min(desired + action.starts, config.max_instances)
             self.reporter.decide("scale-up", action.reason)
         elif action.kind == "cancel-drain" and action.instance_id is not None:
-            self.target = min(desired + 1, config.max_instances)
+            # The drained instance back, and what the projection needs beyond it.
+            self.target = min(desired + 1 + action.starts, config.max_instances)
             self.reporter.decide("cancel-drain", action.reason, action.instance_id)
             self.drains.cancel(action.instance_id, action.reason)
             await self.fleet.push_draining(action.instance_id)

@@ -301,13 +301,7 @@ class Cluster:
             if self._drain_wanted_since is None:
                 self._drain_wanted_since = now
             drain_wanted_for = now - self._drain_wanted_since
-        if action.kind == "scale-up":
-            for _ in range(action.count):
-                instance = self._new_instance()
-                self.starting.append(instance)
-                self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
-            self._record_instances()
-        elif action.kind == "drain" and drain_wanted_for < self.config.scale_down_stabilization_s:
+        if action.kind == "drain" and drain_wanted_for < self.config.scale_down_stabilization_s:
             pass  # not wanted for long enough yet
         elif action.kind in ("drain", "cancel-drain"):
             self._drain_wanted_since = None
@@ -315,6 +309,13 @@ class Cluster:
             instance.set_draining(action.kind == "drain")
             if action.kind == "cancel-drain":
                 self._dispatch_pending()
+        # A scale-up's instances, or those a cancel-drain starts besides the one it put back.
+        for _ in range(action.starts):
+            instance = self._new_instance()
+            self.starting.append(instance)
+            self._push(now + scaling.startup_delay_s, self._on_instance_ready, instance)
+        if action.starts:
+            self._record_instances()
         if self.finished < len(self.requests):
             self._push(now + scaling.interval_s, self._on_autoscale)
 

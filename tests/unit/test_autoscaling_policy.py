@@ -49,7 +49,7 @@ def test_starting_instances_count_with_their_capacity() -> None:
     assert aggregate_freeness(loads, added_blocks=200) == pytest.approx(10.2)
     # None starting: both are started at once (one: 5.2, still short).
     action = decide(loads, starting=0, config=CFG)
-    assert action.kind == "scale-up" and action.count == 2
+    assert action.kind == "scale-up" and action.starts == 2
 
 
 def queued(iid: str, prompt_tokens: tuple[int, ...]) -> InstanceLoad:
@@ -175,7 +175,7 @@ def test_rising_demand_scales_up_one_start_up_ahead() -> None:
     loads = [inst("a", 50, 2), inst("b", 50, 2)]
     assert decide(loads, starting=0, config=CFG).kind == "none"
     action = decide(loads, starting=0, config=CFG, previous=ClusterDemand(76, 4))
-    assert action.kind == "scale-up" and action.count == 1
+    assert action.kind == "scale-up" and action.starts == 1
     assert action.aggregate_freeness == pytest.approx(25.0) and action.demand == ClusterDemand(100, 4)
     assert projected_demand(ClusterDemand(100, 4), ClusterDemand(76, 4), CFG) == ClusterDemand(172, 4)
     # Rising more slowly (from 80: (200 - 160) / 4 = 10 ahead) or falling changes nothing.
@@ -195,13 +195,13 @@ def test_a_burst_starts_every_instance_it_needs_at_once_even_while_others_start(
     cfg = replace(CFG, max_instances=8)
     loads = [inst("a", 50, 2), inst("b", 50, 2)]
     action = decide(loads, starting=0, config=cfg, previous=ClusterDemand(10, 1))
-    assert action.kind == "scale-up" and action.count == 3
+    assert action.kind == "scale-up" and action.starts == 3
     # One already starting: 2 more. The freeness with it, (300 - 100) / 4 = 50, is no reason to wait.
     action = decide(loads, starting=1, config=cfg, previous=ClusterDemand(10, 1))
-    assert action.kind == "scale-up" and action.count == 2
+    assert action.kind == "scale-up" and action.starts == 2
     assert decide(loads, starting=3, config=cfg, previous=ClusterDemand(10, 1)).kind == "none"
     # Never past max_instances.
-    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(10, 1)).count == 2
+    assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(10, 1)).starts == 2
 
 
 def test_nothing_is_projected_above_the_upper_bound() -> None:
@@ -209,6 +209,20 @@ def test_nothing_is_projected_above_the_upper_bound() -> None:
     # read (200 - 200) / 1 = 0), and without b's capacity (100 - 50) / 1 = 50 < 60: no drain either.
     loads = [inst("a", 50, 1), inst("b", 0, 0)]
     assert decide(loads, starting=0, config=CFG, previous=ClusterDemand(0, 0)).kind == "none"
+
+
+def test_a_burst_puts_the_parked_instance_back_and_starts_the_rest_it_needs() -> None:
+    # c is parked (drained, empty). Demand rose by 90 blocks in the last interval: 30 s ahead 370
+    # blocks for 4 requests; the bound needs 4 * 10 + 370 = 410 blocks, 200 serve: 3 more, c and two
+    # started in the same decision.
+    cfg = replace(CFG, max_instances=8)
+    loads = [inst("a", 50, 2), inst("b", 50, 2), inst("c", 0, 0, draining=True)]
+    action = decide(loads, starting=0, config=cfg, previous=ClusterDemand(10, 1))
+    assert action.kind == "cancel-drain" and action.instance_id == "c" and action.starts == 2
+    # Not past max_instances (c's slot counts), and nothing more while the rest is starting.
+    at_most_4 = replace(CFG, max_instances=4)
+    assert decide(loads, starting=0, config=at_most_4, previous=ClusterDemand(10, 1)).starts == 1
+    assert decide(loads, starting=2, config=cfg, previous=ClusterDemand(10, 1)).starts == 0
 
 
 def test_rising_demand_cancels_a_drain_before_it_is_short() -> None:

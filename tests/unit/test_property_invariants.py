@@ -308,8 +308,8 @@ def test_autoscaling_stays_within_its_bounds(
     serving = [load for load in loads if not load.draining]
     by_id = {load.instance_id: load for load in loads}
     if action.kind == "scale-up":
-        assert action.count >= 1
-        assert len(serving) + starting + action.count <= config.max_instances
+        assert action.starts >= 1
+        assert len(serving) + starting + action.starts <= config.max_instances
     elif action.kind == "drain":
         assert action.instance_id in {load.instance_id for load in serving}
         assert len(serving) > max(1, config.min_instances) and starting == 0
