@@ -204,7 +204,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
         "autoscaling": _obj(
             {
                 "enabled": {"type": "boolean", "default": False},
-                "scaleUpBelow": _num(10.0, desc="aggregate freeness below which an instance is added"),
+                "scaleUpBelow": _num(
+                    10.0,
+                    desc="aggregate freeness below which instances are added, now or with rising demand "
+                    "projected startupGraceSeconds ahead (as many as it takes to reach it again)",
+                ),
                 "scaleDownAbove": _num(
                     60.0,
                     desc="aggregate freeness (one instance removed) above which "
@@ -214,7 +218,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "startupGraceSeconds": _num(
                     60.0,
                     minimum=0.0,
-                    desc="a new instance gets this long to become ready before it is replaced",
+                    desc="a new instance gets this long to become ready before it is replaced; also how far "
+                    "ahead the autoscaler projects rising demand",
                 ),
                 "scaleDownStabilizationSeconds": _num(
                     30.0, minimum=0.0, desc="scale-down waits until it has been wanted this long"
