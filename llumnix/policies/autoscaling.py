@@ -13,7 +13,8 @@
   (`release_due`). A drain is cancelled (the instance serves again, at once) if load rises so that
   the cluster without it would need to scale up; a parked instance is the first one reused
   (`reuse_order`), so a burst soon after a scale-down gets back an instance that serves now
-  instead of one that serves a start-up delay later. While one is parked, no other drains.
+  instead of one that serves a start-up delay later; what the burst needs beyond it starts in the
+  same decision. While one is parked, no other drains.
 
 `decide` is pure: the caller keeps the instance list and the previous decision's demand, and applies
 the returned action.
