@@ -187,8 +187,10 @@ async def test_freeness_falls_with_admitted_requests_and_recovers_when_they_fini
     pair = pairs.a
     idle = await _wait_for_load(pair, _idle, 30, "an idle instance")
     async with aiohttp.ClientSession() as session:
+        # 200 + 800 of 1024 positions: the four are still running together when the last one starts,
+        # however slowly a loaded machine admits them.
         requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
-                                                  _body(pair, _prompt(i, 200), 60, stream=True)))
+                                                  _body(pair, _prompt(i, 200), 800, stream=True)))
                     for i in range(4)]
         busy = await _wait_for_load(pair, lambda load: len(load.running) == 4, 180, "four running requests",
                                     requests)
@@ -210,8 +212,9 @@ def _idle(load: pb.InstanceLoad) -> bool:
 async def test_queued_requests_raise_virtual_usage_before_they_are_scheduled(pairs: Pairs) -> None:
     pair = pairs.b  # at most two running: the others queue
     async with aiohttp.ClientSession() as session:
+        # 160 + 800 of 1024 positions: the first two still run when the last two arrive.
         requests = [asyncio.create_task(_complete(session, pair.llumlet.http_url,
-                                                  _body(pair, _prompt(50 + i, 160), 40, stream=True)))
+                                                  _body(pair, _prompt(50 + i, 160), 800, stream=True)))
                     for i in range(4)]
         queued = await _wait_for_load(  # 60 s ran out beside a CPU-bound CI run
             pair, lambda load: len(load.running) == 2 and bool(load.waiting), 180,
