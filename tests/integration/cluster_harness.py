@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from waiting import wait_until_sync
+
 
 def wait_for(fn: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what or fn}: last {last!r}")
+    """`waiting.wait_until_sync` in the argument order these modules use; returns `fn`'s first
+    truthy answer."""
+    return wait_until_sync(fn, what or repr(fn), timeout)
 
 
 def sim_service(name: str, replicas: int) -> dict[str, Any]:

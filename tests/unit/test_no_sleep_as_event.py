@@ -57,7 +57,6 @@ ALLOWED: dict[str, str] = {
     "tests/integration/test_migration_vllm.py:_migrate":
         "retry interval of MigrateOut while either end is busy, until its deadline",
     "tests/integration/test_migration_vllm.py:_wait_idle": _DEADLINE_POLL,
-    "tests/integration/cluster_harness.py:wait_for": _DEADLINE_POLL,
     "tests/integration/test_router_workers.py:test_two_workers_share_the_port_and_their_metrics":
         _DEADLINE_POLL + " (both workers answering /health; the router exiting after SIGTERM)",
     "tests/integration/test_service_vllm.py:serving_instance": _DEADLINE_POLL,
