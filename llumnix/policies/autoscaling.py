@@ -31,7 +31,6 @@ from llumnix.load import (
     ClusterDemand,
     InstanceLoad,
     LoadModelConfig,
-    aggregate_freeness,
     cluster_demand,
     freeness,
 )
@@ -119,18 +118,16 @@ def projected_demand(demand: ClusterDemand, previous: ClusterDemand | None, conf
     return ClusterDemand(demand.blocks + steps * (demand.blocks - previous.blocks), demand.requests)
 
 
-def instances_short(
-    demand: ClusterDemand, serving: Sequence[InstanceLoad], starting: int, config: AutoscalingConfig
-) -> int:
-    """Instances to start, beyond the `starting` ones, for `demand` to leave the cluster at least
-    at `scale_up_below` (each new one as large as the serving ones on average; with none serving,
-    one start-up at a time). 0 or less: enough serves or is on its way."""
+def instances_short(demand: ClusterDemand, capacity: float, serving: int, starting: int,
+                    config: AutoscalingConfig) -> int:
+    """Instances to start, beyond the `starting` ones, for `demand` to leave the `serving` instances'
+    `capacity` (blocks) plus the new ones at least at `scale_up_below` (each new one as large as the
+    serving ones on average; with none serving, one start-up at a time). 0 or less: enough serves or
+    is on its way."""
     if not serving:
         return 1 - starting
-    capacity = sum(load.total_blocks for load in serving)
-    per_instance = capacity // len(serving)
-    wanted = config.scale_up_below * max(1.0, demand.requests) + demand.blocks
-    return math.ceil((wanted - capacity) / per_instance) - starting
+    wanted = config.scale_up_below * max(1, demand.requests) + demand.blocks
+    return math.ceil((wanted - capacity) / (capacity // serving)) - starting
 
 
 def decide(
@@ -165,7 +162,7 @@ def decide(
         return ScalingAction("scale-up", None, below, agg, starts=1, demand=demand)
     if ahead_agg < config.scale_up_below:
         falling = f"aggregate freeness {agg:.1f}, {ahead_agg:.1f} one start-up ahead"
-        short = min(instances_short(ahead, serving, starting, config),
+        short = min(instances_short(ahead, capacity, len(serving), starting, config),
                     config.max_instances - len(serving) - starting)
         if reuse:
             # The drained instance serves again at once; what the projection needs beyond it starts
@@ -180,7 +177,8 @@ def decide(
     if not draining and starting == 0 and len(serving) > max(1, config.min_instances):
         victim = drain_candidate(serving, model)
         assert victim is not None
-        without = aggregate_freeness(serving, model, exclude_capacity_of=victim)
+        by_id = {load.instance_id: load for load in serving}
+        without = demand.freeness(capacity - by_id[victim].total_blocks)  # its requests stay
         if without > config.scale_down_above:
             reason = f"aggregate freeness {without:.1f} without it > {config.scale_down_above}"
             return ScalingAction("drain", victim, reason, agg, demand=demand)
