@@ -214,11 +214,15 @@ class ClusterDemand:
         return (capacity - self.blocks) / max(1, self.requests)
 
 
-def cluster_demand(loads: Iterable[InstanceLoad], config: LoadModelConfig = DEFAULT_LOAD_MODEL
-                   ) -> ClusterDemand:
-    """The demand of the instances that are not draining (a draining one's requests are leaving)."""
-    blocks = 0.0
-    requests = 0
+def cluster_demand(loads: Iterable[InstanceLoad], config: LoadModelConfig = DEFAULT_LOAD_MODEL,
+                   held_tokens: Collection[int] = ()) -> ClusterDemand:
+    """The demand of the instances that are not draining (a draining one's requests are leaving),
+    plus the requests the routers hold (`held_tokens`: the tokens each needs; held while every
+    instance is busy, they sit in no instance's queue yet and count as queued ones)."""
+    loads = list(loads)
+    block_size = next((load.block_size for load in loads), 0)
+    blocks = float(sum(blocks_for_tokens(tokens, block_size) for tokens in held_tokens) if block_size else 0)
+    requests = len(held_tokens)
     for load in loads:
         if load.draining:
             continue

@@ -31,6 +31,7 @@ from llumnix.control.admin_api import admin_app
 from llumnix.control.local_backend import LocalProcessBackend, pair_config
 from llumnix.control.loop import ControlLoop
 from llumnix.control.migration_pass import outcome_name
+from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import FREENESS_MEANING, ControlEvent, InstanceStatus, ServiceStatus, headroom
 from llumnix.jsonlog import configure_json_logging
 from llumnix.llumlet_client import LlumletConnection
@@ -140,10 +141,14 @@ class LocalService:
         self.router = Router(replace(config, service_token=token, tokenizer=tokenizer), self.source)
         self.loop = ControlLoop(settings, self.backend, on_event=on_event,
                                 connect=functools.partial(LlumletConnection, token=token),
-                                on_addresses=self.source.set_addresses)
+                                on_addresses=self.source.set_addresses,
+                                router_queues=RouterQueues(self._router_urls, token))
         self.admin = web.AppRunner(admin_app(self.loop), access_log=None)
         self.admin_host, self.admin_port = host, admin_port
         self._loop_task: asyncio.Task[None] | None = None
+
+    async def _router_urls(self) -> list[str]:
+        return [self.router.url]
 
     async def start(self) -> None:
         await self.router.start()

@@ -152,3 +152,16 @@ def router_service(settings: ServiceSettings) -> dict[str, Any]:
             "ports": [{"name": "http", "port": router.port, "targetPort": "http"}],
         },
     }
+
+
+def router_urls(pods: list[dict[str, Any]], port: int) -> list[str]:
+    """Pure: the base URLs of the running router pods (as the API serves them), where the control loop
+    reads the requests each holds (every replica holds its own)."""
+    urls = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        host = status.get("podIP")
+        if pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running" or not host:
+            continue
+        urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+    return sorted(urls)

@@ -20,14 +20,16 @@ import kubernetes
 from llumnix.control.backend import InstancePhase
 from llumnix.control.fleet import UnknownInstance
 from llumnix.control.loop import ControlLoop
+from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import ControlEvent
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.service_spec import API_GROUP, API_VERSION, PLURAL, ServiceSettings, SpecError, validate_spec
 from llumnix_operator.build_config import BuildConfig
 from llumnix_operator.engine_pod import engine_pod, engine_pod_template
 from llumnix_operator.metrics import OperatorMetrics
-from llumnix_operator.naming import service_account_name, template_hash
+from llumnix_operator.naming import ROUTER, selector_string, service_account_name, template_hash
 from llumnix_operator.pod_backend import PodBackend
+from llumnix_operator.router import router_urls
 from llumnix_operator.service_token_secret import read_token
 from llumnix_operator.status import (
     invalid_spec_conditions,
@@ -224,6 +226,16 @@ class ServiceRunner:
             raise
         return True
 
+    async def _router_urls(self) -> list[str]:
+        def listed() -> list[str]:
+            settings = self._require_settings()
+            pods = kubernetes.client.CoreV1Api(self.api_client).list_namespaced_pod(
+                self.namespace, label_selector=selector_string(settings.name, ROUTER))
+            raw = [self.api_client.sanitize_for_serialization(p) for p in pods.items]
+            return router_urls(raw, settings.spec.router.port)
+
+        return await asyncio.to_thread(listed)
+
     async def tick(self) -> None:
         self.read_spec()
         # Pods naming a missing service account are refused: wait for the create handler's objects.
@@ -240,6 +252,7 @@ class ServiceRunner:
                 on_event=self.on_event,
                 clock=self.clock,
                 connect=functools.partial(LlumletConnection, token=token),
+                router_queues=RouterQueues(self._router_urls, token),
                 drain_timeout_s=self.config.drain_timeout_s,
             )
         if self.loop is not None and self.spec_error is None:

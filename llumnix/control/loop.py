@@ -34,6 +34,7 @@ from llumnix.control.migration_pass import MigrationPass, migrate_request
 from llumnix.control.reconcile import Reconciler
 from llumnix.control.replacement import ReplacementBackoff
 from llumnix.control.reporting import Reporter
+from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import ControlEvent, InstanceStatus, ServiceStatus
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import aggregate_freeness, freeness
@@ -49,10 +50,12 @@ class ControlLoop:
                  clock: Callable[[], float] = time.time,
                  connect: Callable[[str], LlumletHandle] = LlumletConnection,
                  on_addresses: Callable[[frozenset[str]], None] | None = None,
+                 router_queues: RouterQueues | None = None,
                  reconcile_interval_s: float = 1.0,
                  drain_timeout_s: float = 600.0) -> None:
         """`connect(address)` makes a llumlet connection (not started); `on_addresses` receives the
-        READY instances' llumlet addresses whenever they change (local mode's router follows it)."""
+        READY instances' llumlet addresses whenever they change (local mode's router follows it);
+        `router_queues`: the service's routers, whose held requests the autoscaler counts."""
         self.settings = settings
         self.clock = clock
         self.reconcile_interval_s = reconcile_interval_s
@@ -64,6 +67,7 @@ class ControlLoop:
         self._reconciler = Reconciler(self._fleet, self._drains, self._backoff, self._reporter, clock)
         self._migrations = MigrationPass(self._fleet)
         self._autoscaling = AutoscalingPass(self._fleet, self._drains, self._reporter, clock)
+        self._router_queues = router_queues
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -128,6 +132,8 @@ class ControlLoop:
         """Cancel migrations in flight (the llumlets finish or abort them) and close connections."""
         await self._migrations.close()
         await self._fleet.close()
+        if self._router_queues is not None:
+            await self._router_queues.close()
 
     def status(self) -> ServiceStatus:
         rows = []
@@ -196,7 +202,8 @@ class ControlLoop:
 
     async def autoscale(self) -> None:
         """One autoscaling decision; it moves the target (reconcile starts, drains and releases)."""
-        if await self._autoscaling.step(self.settings, self.desired):
+        held = await self._router_queues.held_tokens() if self._router_queues is not None else []
+        if await self._autoscaling.step(self.settings, self.desired, held):
             await self._meet_target()
 
     # ---- helpers ------------------------------------------------------------------------------

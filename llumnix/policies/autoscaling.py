@@ -23,7 +23,7 @@ the returned action.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from llumnix.load import (
@@ -136,8 +136,10 @@ def decide(
     config: AutoscalingConfig = AutoscalingConfig(),
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
     previous: ClusterDemand | None = None,
+    held_tokens: Collection[int] = (),
 ) -> ScalingAction:
-    """One autoscaling step over the serving and draining instances plus `starting` ones.
+    """One autoscaling step over the serving and draining instances plus `starting` ones, and the
+    requests the routers hold (`held_tokens`, `cluster_demand`'s).
 
     `previous` is the demand of the previous decision (its action's `demand`): rising demand is
     projected one start-up delay ahead, and a scale-up starts enough instances for the projection,
@@ -149,7 +151,7 @@ def decide(
     # at once, and draining a second one while it waits would shrink the cluster twice as fast
     # (measured on Fig. 14: docs/reproduction.md, "Parking drained instances").
     draining = bool(reuse)
-    demand = cluster_demand(serving, model)
+    demand = cluster_demand(serving, model, held_tokens)
     capacity = sum(load.total_blocks for load in serving)
     agg = demand.freeness(capacity)
     ahead = projected_demand(demand, previous, config) if agg <= config.scale_down_above else demand
@@ -162,6 +164,8 @@ def decide(
         return ScalingAction("scale-up", None, below, agg, starts=1, demand=demand)
     if ahead_agg < config.scale_up_below:
         falling = f"aggregate freeness {agg:.1f}, {ahead_agg:.1f} one start-up ahead"
+        if held_tokens:
+            falling += f" ({len(held_tokens)} requests held by the routers)"
         short = min(instances_short(ahead, capacity, len(serving), starting, config),
                     config.max_instances - len(serving) - starting)
         if reuse:

@@ -1,5 +1,6 @@
 """The router's HTTP API: OpenAI `/v1/completions`, `/v1/chat/completions` (streaming and not),
-`/v1/models`, plus `/health` and `/metrics`."""
+`/v1/models`, plus `/health`, `/metrics` and, for the control loop, the requests it holds
+(`llumnix.held_demand`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llumnix.held_demand import CONTENT_TYPE, HELD_DEMAND_PATH, held_demand_to_bytes
 from llumnix.openai_request import Handler, OpenAIRequestError, PromptSizer, add_openai_routes, read_json_body
 from llumnix.openai_stream import EndpointKind, GenerationChunk, ResponseAssembler, openai_error
 from llumnix.router.api_keys import ApiKeyChecker
@@ -24,6 +26,7 @@ from llumnix.router.instances import InstanceSet
 from llumnix.router.metrics import RouterMetrics
 from llumnix.router.openapi import openapi_document
 from llumnix.router.stream_format import StreamFormat, sse_event
+from llumnix.service_token import ServiceToken
 
 logger = logging.getLogger("llumnix.router.api")
 
@@ -63,12 +66,15 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 
 class RouterApi:
     def __init__(self, settings: ApiSettings, queue: DispatchQueue, instances: InstanceSet,
-                 metrics: RouterMetrics, api_keys: ApiKeyChecker) -> None:
+                 metrics: RouterMetrics, api_keys: ApiKeyChecker, service_token: ServiceToken | None = None
+                 ) -> None:
+        """`service_token`: what the control loop presents to read the held demand (None: anyone may)."""
         self.settings = settings
         self.queue = queue
         self.instances = instances
         self.metrics = metrics
         self.api_keys = api_keys
+        self.service_token = service_token
         self.prompt_sizer = PromptSizer()
         """Learns the engines' text size of a token from the prompt lengths they report."""
         self.accepting = True
@@ -80,16 +86,24 @@ class RouterApi:
         app = web.Application(client_max_size=self.settings.limits.max_body_bytes,
                               middlewares=[_openai_errors, self._auth])
         app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_get(HELD_DEMAND_PATH, self._held_demand)
         return add_openai_routes(app, self._serve, self._models, self._health, self._metrics)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in UNAUTHENTICATED_PATHS or self.api_keys.allows(
-                request.headers.get("Authorization")):
+        authorization = request.headers.get("Authorization")
+        if request.path == HELD_DEMAND_PATH:  # the service's own callers, not its clients
+            if self.service_token is None or self.service_token.accepts(authorization):
+                return await handler(request)
+            return web.json_response(openai_error(401, "this path takes the service token"), status=401)
+        if request.path in UNAUTHENTICATED_PATHS or self.api_keys.allows(authorization):
             return await handler(request)
         return web.json_response({"error": {
             "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
             "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, status=401)
+
+    async def _held_demand(self, _: web.Request) -> web.Response:
+        return web.Response(body=held_demand_to_bytes(self.queue.held_tokens()), content_type=CONTENT_TYPE)
 
     async def _serve(self, request: web.Request, endpoint: EndpointKind) -> web.StreamResponse:
         arrival = time.monotonic()

@@ -126,6 +126,10 @@ class DispatchQueue:
     def __len__(self) -> int:
         return sum(1 for w in self._heap if not w.future.done())
 
+    def held_tokens(self) -> list[int]:
+        """The tokens each held request needs, in the order they will be dispatched."""
+        return [w.request.total_tokens for w in sorted(self._heap) if not w.future.done()]
+
     def _update_gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_length.set(len(self))

@@ -62,7 +62,7 @@ class Router:
         self.queue = DispatchQueue(self.dispatcher, config.queue_capacity, config.queue_timeout_s,
                                    self.metrics)
         self.api = RouterApi(config.api, self.queue, self.instances, self.metrics,
-                             ApiKeyChecker(config.api_keys))
+                             ApiKeyChecker(config.api_keys), config.service_token)
         self._runner: web.AppRunner | None = None
         self.port = config.port
 

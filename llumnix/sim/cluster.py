@@ -292,6 +292,7 @@ class Cluster:
             scaling,
             self.config.load_model,
             self._last_demand,
+            [request.tokens for request in self.pending],
         )
         self._last_demand = action.demand
         drain_wanted_for = 0.0

@@ -1,6 +1,6 @@
 """The router in front of real llumlets and sim engines (processes), driven by the `openai` SDK and
 plain HTTP: OpenAI responses streaming and not, the burst spread, queueing with 503 Retry-After,
-limits, API keys, instances added and removed at run time."""
+limits, API keys, instances added and removed at run time, the held requests the control loop reads."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ import pytest_asyncio
 from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
+from llumnix.control.router_queues import RouterQueues
+from llumnix.held_demand import HELD_DEMAND_PATH
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.client_request import RequestLimits
 from llumnix.router.instance_source import ListInstanceSource
 from llumnix.router.server import Router
+from llumnix.service_token import ServiceToken
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
 
@@ -134,6 +137,10 @@ async def test_api_keys(instances: list[EnginePair], start_router: StartRouter) 
         assert response.status == 200  # health and metrics need no key
 
 
+async def _constant(urls: list[str]) -> list[str]:
+    return urls
+
+
 async def test_queue_503_and_instances_added_and_removed_at_run_time(
         instances: list[EnginePair], start_router: StartRouter) -> None:
     router = await start_router([], queue_capacity=2, queue_timeout_s=30.0)
@@ -150,6 +157,17 @@ async def test_queue_503_and_instances_added_and_removed_at_run_time(
 
         held = [asyncio.create_task(complete(i)) for i in range(2)]
         await wait_until(lambda: len(router.queue) == 2, "two requests held in the router's queue")
+        # The control loop reads them (a router that does not answer adds none); only with the token.
+        urls = ["http://127.0.0.1:1", router.url]
+        queues = RouterQueues(lambda: _constant(urls), SERVICE_TOKEN)
+        in_queue = router.queue.held_tokens()
+        assert len(in_queue) == 2 and await queues.held_tokens() == in_queue
+        async with session.get(router.url + HELD_DEMAND_PATH) as response:
+            assert response.status == 401 and (await response.json())["error"]["code"] == 401
+        stranger = RouterQueues(lambda: _constant(urls), ServiceToken("not-the-service-token"))
+        assert await stranger.held_tokens() == []
+        await queues.close()
+        await stranger.close()
         status, headers, body = await complete(3)
         assert status == 503 and headers["Retry-After"] == "1"
         assert body["error"]["type"] == "ServiceUnavailableError"

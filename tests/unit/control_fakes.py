@@ -9,6 +9,7 @@ from typing import Any
 
 from llumnix.control.backend import InstanceBackend, InstanceInfo, InstancePhase
 from llumnix.control.loop import ControlLoop
+from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import ControlEvent
 from llumnix.load import InstanceLoad, RequestLoad
 from llumnix.service_spec import ServiceSettings, parse_service
@@ -120,7 +121,8 @@ class FakeLlumlet:
 
 class Harness:
     def __init__(self, service: ServiceSettings, backend: FakeBackend | None = None,
-                 loads: dict[str, InstanceLoad] | None = None) -> None:
+                 loads: dict[str, InstanceLoad] | None = None,
+                 router_queues: RouterQueues | None = None) -> None:
         self.clock = backend.clock if backend else FakeClock()
         self.backend = backend or FakeBackend(self.clock)
         self.loads: dict[str, InstanceLoad] = {} if loads is None else loads
@@ -129,7 +131,8 @@ class Harness:
         self.llumlets: dict[str, FakeLlumlet] = {}
         self.addresses: list[frozenset[str]] = []
         self.loop = ControlLoop(service, self.backend, on_event=self.events.append, clock=self.clock,
-                                connect=self._connect, on_addresses=self.addresses.append)
+                                connect=self._connect, on_addresses=self.addresses.append,
+                                router_queues=router_queues)
 
     def _connect(self, address: str) -> FakeLlumlet:
         llumlet = FakeLlumlet(address, self.loads, self.migrations)

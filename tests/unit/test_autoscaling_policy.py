@@ -231,3 +231,20 @@ def test_rising_demand_cancels_a_drain_before_it_is_short() -> None:
     assert decide(loads, starting=0, config=CFG).kind == "none"
     action = decide(loads, starting=0, config=CFG, previous=ClusterDemand(76, 4))
     assert action.kind == "cancel-drain" and action.instance_id == "c"
+
+
+def test_requests_held_by_the_routers_count_as_queued_ones() -> None:
+    # (200 - 100) / 4 = 25: between the bounds. The routers hold 6 requests of 160 tokens (10 blocks
+    # each at 16 tokens a block): (200 - 160) / 10 = 4 < 10 -> start; the bound needs 10 * 10 + 160 =
+    # 260 blocks, 200 serve: one more instance.
+    loads = [inst("a", 50, 2), inst("b", 50, 2)]
+    assert decide(loads, starting=0, config=CFG).kind == "none"
+    held = [160] * 6
+    assert cluster_demand(loads, held_tokens=held) == ClusterDemand(160, 10)
+    action = decide(loads, starting=0, config=CFG, held_tokens=held)
+    assert action.kind == "scale-up" and action.starts == 1 and action.demand == ClusterDemand(160, 10)
+    assert "6 requests held by the routers" in action.reason
+    # A token past a block boundary takes a block of its own.
+    assert cluster_demand(loads, held_tokens=[161]).blocks == 100 + 11
+    # With no instance there is no block size: held requests count, their blocks cannot.
+    assert cluster_demand([], held_tokens=held) == ClusterDemand(0.0, 6)

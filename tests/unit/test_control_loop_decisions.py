@@ -1,11 +1,13 @@
 """The control loop's decisions over an in-memory backend and fake llumlet connections whose loads
 the tests set: instance count, replacement, drains (never stopping an instance that still runs
-requests), migration pairing, autoscaling and adoption after a restart."""
+requests), migration pairing, autoscaling (counting the requests a real router holds) and adoption
+after a restart."""
 
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import grpc
 import pytest
 from control_fakes import TOTAL_BLOCKS, Harness, request, settings
@@ -14,6 +16,11 @@ from waiting import wait_until
 from llumnix.control.backend import InstancePhase
 from llumnix.control.drains import EMPTY_BEFORE_RELEASE_S
 from llumnix.control.fleet import UnknownInstance
+from llumnix.control.router_queues import RouterQueues
+from llumnix.router.api import ApiSettings
+from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.server import Router, RouterConfig
+from llumnix.service_token import ServiceToken
 from llumnix.v1 import migration_pb2 as mpb
 
 
@@ -316,3 +323,44 @@ async def test_autoscaling_starts_what_rising_demand_needs_one_start_up_ahead(bl
     await h.loop.autoscale()
     assert h.backend.started == [f"i{k}" for k in range(started)] and h.loop.desired == started
     assert h.loop.status().last_decision.kind == "scale-up"
+
+
+async def test_autoscaling_counts_the_requests_a_router_holds() -> None:
+    # A router with no instance of its own holds every request it gets: six of 160 tokens (10 blocks).
+    token = ServiceToken.generate()
+    router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token),
+                    ListInstanceSource([]))
+    await router.start()
+
+    async def router_urls() -> list[str]:
+        return [router.url]
+
+    service = settings(instances={"min": 2, "max": 6}, replicas=2, autoscaling={"enabled": True})
+    h = Harness(service, router_queues=RouterQueues(router_urls, token))
+    async with aiohttp.ClientSession() as session:
+
+        async def complete() -> int:
+            body = {"model": "m", "prompt": [7] * 160, "max_tokens": 4}
+            async with session.post(router.url + "/v1/completions", json=body) as response:
+                return response.status
+
+        try:
+            await h.bring_up()
+            h.load("i0", *(request(f"a{k}", 10) for k in range(4)))
+            h.load("i1", *(request(f"b{k}", 10) for k in range(4)))
+            await h.loop.autoscale()  # (200 - 80) / 8 = 15: between the bounds, nothing to do
+            assert h.backend.started == ["i0", "i1"]
+            held = [asyncio.create_task(complete()) for _ in range(6)]
+            await wait_until(lambda: len(router.queue) == 6, "six requests held by the router")
+            # The same loads, plus 60 blocks and 6 requests held: (200 - 140) / 14 = 4.3 < 10. Demand
+            # rose 80 -> 140 blocks in one interval, 30 s ahead 320: the bound needs 14 * 10 + 320 = 460
+            # blocks of capacity, 200 serve -> three more.
+            await h.loop.autoscale()
+            decision = h.loop.status().last_decision
+            assert decision is not None and decision.kind == "scale-up"
+            assert "6 requests held by the routers" in decision.reason
+            assert h.backend.started == [f"i{k}" for k in range(5)]
+        finally:
+            await router.shutdown()  # the held requests get a 503
+            await h.loop.close()
+        assert await asyncio.gather(*held) == [503] * 6

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from llumnix_operator.llumlet_service import llumlets_service
 from llumnix_operator.naming import ENGINE, ROUTER, TEMPLATE_HASH_ANNOTATION, owner_reference
 from llumnix_operator.placement import PLACEMENT_FIELDS
 from llumnix_operator.pod_security import WRITABLE_ENV
-from llumnix_operator.router import router_deployment, router_fields_to_clear, router_service
+from llumnix_operator.router import router_deployment, router_fields_to_clear, router_service, router_urls
 
 CONFIG = BuildConfig(image="reg/llumnix:1", vllm_image="reg/llumnix-vllm:1", drain_timeout_s=100)
 
@@ -415,3 +416,16 @@ def test_router_placement_dropped_from_the_spec_is_named_for_removal() -> None:
     assert router_fields_to_clear(settings(router=PLACEMENT), old) == []
     assert router_fields_to_clear(settings(), None) == []  # create / resume: nothing to compare with
     assert router_fields_to_clear(settings(), {"model": {"name": "llama-7b"}}) == []
+
+
+def test_router_urls_are_the_running_router_pods() -> None:
+    def router_pod(name: str, phase: str, ip: str | None, deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+        return {"metadata": meta, "status": {"phase": phase, **({"podIP": ip} if ip else {})}}
+
+    pods = [router_pod("r1", "Running", "10.0.0.7"), router_pod("r2", "Pending", None),
+            router_pod("r3", "Running", "10.0.0.8", deleting=True), router_pod("r4", "Running", "fd00::5"),
+            router_pod("r5", "Failed", "10.0.0.9")]
+    assert router_urls(pods, 8000) == ["http://10.0.0.7:8000", "http://[fd00::5]:8000"]

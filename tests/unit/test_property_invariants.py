@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from llumnix.held_demand import held_demand_from_bytes, held_demand_to_bytes
 from llumnix.load import (
     DEFAULT_LOAD_MODEL,
     ClusterDemand,
@@ -321,7 +322,33 @@ def test_autoscaling_stays_within_its_bounds(
         assert action.kind == "none"
 
 
+held_requests = st.lists(st.integers(1, 100_000), min_size=1, max_size=20)
+
+
+@given(clusters(), st.integers(0, 3), st.none() | demands, held_requests)
+def test_requests_held_by_the_routers_never_make_the_service_smaller(
+    loads: list[InstanceLoad], starting: int, previous: ClusterDemand | None, held: list[int]
+) -> None:
+    config = AutoscalingConfig(min_instances=1, max_instances=64)
+    without = decide(loads, starting, config, previous=previous)
+    with_held = decide(loads, starting, config, previous=previous, held_tokens=held)
+    if with_held.kind == "drain":
+        assert without.kind == "drain"
+    if without.kind in ("scale-up", "cancel-drain"):
+        assert with_held.kind == without.kind and with_held.starts >= without.starts
+
+
 # --- the wire ------------------------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=100))
+def test_held_demand_survives_the_wire(tokens: list[int]) -> None:
+    assert held_demand_from_bytes(held_demand_to_bytes(tokens)) == tokens
+
+
+def test_held_demand_that_is_not_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a HeldDemand"):
+        held_demand_from_bytes(b"\xff\xff\xff")
 
 
 @given(

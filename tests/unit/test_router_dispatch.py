@@ -133,9 +133,10 @@ async def test_queue_orders_by_priority_then_arrival_and_is_bounded() -> None:
         served.append(r.request_id)
         instance.release(r.request_id)
 
-    tasks = [asyncio.create_task(wait(r)) for r in (request(1), request(2), request(3, high=True))]
+    tasks = [asyncio.create_task(wait(r)) for r in (request(1), request(2), request(3, 480, high=True))]
     await wait_until(lambda: len(queue) == 3, "the three requests queued")
     assert not served
+    assert queue.held_tokens() == [480, 160, 160]  # what the control loop reads, in dispatch order
     with pytest.raises(RouterError) as err:
         await queue.acquire(request(4), False)
     assert err.value.status == 503 and err.value.retry_after_s is not None

@@ -1,0 +1,63 @@
+"""The requests the service's routers hold (`llumnix.held_demand`), read before each autoscaling
+decision: a router holds requests while every instance is busy, and held ones are in no instance's
+load, so without them a burst the routers absorb would look like a service with room to spare."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import aiohttp
+
+from llumnix.held_demand import HELD_DEMAND_PATH, held_demand_from_bytes
+from llumnix.service_token import ServiceToken
+
+logger = logging.getLogger("llumnix.control")
+
+READ_TIMEOUT_S = 1.0
+"""A router slower than this counts nothing this time: the decision does not wait for it."""
+
+
+class RouterQueues:
+    """`addresses()`: the routers' base URLs now (`http://host:port`; the operator lists router pods,
+    local mode has one). Every read presents `token`."""
+
+    def __init__(self, addresses: Callable[[], Awaitable[Sequence[str]]], token: ServiceToken | None) -> None:
+        self._addresses = addresses
+        self._headers = {"Authorization": token.authorization} if token is not None else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._failing: set[str] = set()
+        """Routers whose last read failed (logged once until they answer again)."""
+
+    async def held_tokens(self) -> list[int]:
+        """Every router's held requests (the tokens each needs); a router that cannot be read adds none."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S))
+        addresses = await self._addresses()
+        held: list[int] = []
+        for tokens in await asyncio.gather(*(self._read(address) for address in addresses)):
+            held.extend(tokens)
+        return held
+
+    async def _read(self, address: str) -> list[int]:
+        assert self._session is not None
+        try:
+            url = address.rstrip("/") + HELD_DEMAND_PATH
+            async with self._session.get(url, headers=self._headers) as response:
+                if response.status != 200:
+                    raise ValueError(f"HTTP {response.status}")
+                tokens = held_demand_from_bytes(await response.read())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            if address not in self._failing:
+                self._failing.add(address)
+                logger.warning("cannot read the requests a router holds; counting none",
+                               extra={"router": address, "error": str(exc) or type(exc).__name__})
+            return []
+        self._failing.discard(address)
+        return tokens
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
