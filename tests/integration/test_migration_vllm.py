@@ -71,7 +71,11 @@ STAGING_FOREVER = ("--migration-max-stages", "1000", "--migration-final-delta-bl
 """At least one block (the tail) is always left to send: no final stage starts before 1000 stages."""
 # A CPU engine stepping 30 requests can take longer than the default health-check timeout (0.5 s);
 # two missed checks would fail every request in flight.
-LLUMLET_ARGS = ("--max-concurrent-migrations", "4", "--engine-check-interval", "2")
+# The test client attaches to a migrated request where the router would, after Commit answers; starved by
+# a CPU hog in its own scheduling group it has taken over 10 s (the default lease) to do so. Tests of lease
+# expiry pass a short lease of their own.
+LLUMLET_ARGS = ("--max-concurrent-migrations", "4", "--engine-check-interval", "2",
+                "--migration-lease", "120")
 
 
 @dataclasses.dataclass
