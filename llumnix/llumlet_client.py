@@ -24,9 +24,18 @@ WATCH_MAX_INTERVAL_MS = 1000
 STALE_AFTER_S = 3.0
 """No load (not even the 1 s heartbeat) for this long: the stream is down."""
 RECONNECT_BACKOFF_S = (0.1, 2.0)
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
+"""gRPC's own reconnect backoff grows to 120 s while a llumlet is down, and every channel to the address
+shares it (one global subchannel pool): a llumlet restarted at the same address went unseen for
+seconds to minutes (measured: 8.8 s after a 30 s outage, 13.3 s on a new channel; 1.4 s with these)."""
 CONTROL_TIMEOUT_S = 5.0
 MIGRATE_OUT_TIMEOUT_S = 120.0
 """A migration answers when it ended; a long request's stages take a while."""
+
+
+def llumlet_channel(address: str) -> grpc.aio.Channel:
+    """A channel to a llumlet that reconnects within `RECONNECT_BACKOFF_S` of its return."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
 class LlumletConnection:
@@ -38,7 +47,7 @@ class LlumletConnection:
                  token: ServiceToken | None = None) -> None:
         self.address = address
         self.call_metadata = call_metadata(token)
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = llumlet_channel(address)
         self.stub = llumlet_pb2_grpc.LlumletStub(self.channel)
         self.migration_stub = migration_pb2_grpc.LlumletMigrationStub(self.channel)
         self.report: LoadReport | None = None

@@ -32,6 +32,7 @@ from llumlet.migration.rules import (
 from llumlet.migration.settings import MigrationSettings
 from llumlet.requests import RequestRecord
 from llumnix.engine.handshake import public_record
+from llumnix.llumlet_client import llumlet_channel
 from llumnix.load import blocks_for_tokens
 from llumnix.policies.migration import select_request
 from llumnix.service_token import ServiceToken, call_metadata
@@ -97,7 +98,7 @@ class PeerStubs:
     def stub(self, address: str) -> LlumletMigrationStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = llumlet_channel(address)
         return LlumletMigrationStub(channel)
 
     async def close(self) -> None:

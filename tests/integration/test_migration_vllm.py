@@ -46,6 +46,7 @@ from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver
 from llumnix.launch.llumlet_process import LlumletProcess
 from llumnix.launch.pair import EnginePair, PairConfig, free_port
+from llumnix.llumlet_client import llumlet_channel
 from llumnix.router.api import ApiSettings
 from llumnix.router.server import Router
 from llumnix.v1 import llumlet_pb2 as pb
@@ -88,7 +89,8 @@ class Node:
 
     @classmethod
     def of(cls, pair: EnginePair) -> Node:
-        channel = grpc.aio.insecure_channel(pair.grpc_address)
+        # The product's channel options: reconnected within 2 s of a restart, however long it was down.
+        channel = llumlet_channel(pair.grpc_address)
         return cls(pair, channel, llumlet_pb2_grpc.LlumletStub(channel),
                    migration_pb2_grpc.LlumletMigrationStub(channel))
 
@@ -554,7 +556,7 @@ async def test_a_source_dying_after_the_final_stage_loses_and_repeats_no_token(
     assert router.metrics.moves._value.get() == 0
     # What B held for the migration (a reservation, or the committed copy nobody attaches to) goes
     # with the lease; the replayed request finished.
-    await _wait_idle(b, timeout_s=lease_s + 10)
+    await _wait_idle(b, timeout_s=lease_s + 30)
     await a.restart_llumlet(always=True)
     await _wait_idle(a)
 
