@@ -27,7 +27,8 @@ RECONNECT_BACKOFF_S = (0.1, 2.0)
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
 """gRPC's own reconnect backoff grows to 120 s while a llumlet is down, and every channel to the address
 shares it (one global subchannel pool): a llumlet restarted at the same address went unseen for
-seconds to minutes (measured: 8.8 s after a 30 s outage, 13.3 s on a new channel; 1.4 s with these)."""
+seconds to minutes (bench/grpc_reconnect.py: 10.0 s after a 30 s outage, 13.8 s on a new channel; 1.1 s
+with these)."""
 CONTROL_TIMEOUT_S = 5.0
 MIGRATE_OUT_TIMEOUT_S = 120.0
 """A migration answers when it ended; a long request's stages take a while."""
