@@ -34,7 +34,12 @@ class RouterQueues:
         """Every router's held requests (the tokens each needs); a router that cannot be read adds none."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S))
-        addresses = await self._addresses()
+        try:
+            addresses = await self._addresses()
+        except Exception as exc:  # the API server's hiccup must not hold up the decision
+            logger.warning("cannot list the routers; counting no held request",
+                           extra={"error": str(exc) or type(exc).__name__})
+            return []
         held: list[int] = []
         for tokens in await asyncio.gather(*(self._read(address) for address in addresses)):
             held.extend(tokens)
