@@ -3,7 +3,7 @@ reconcile pass then starts, drains and releases); a scale-down waits for its sta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from llumnix.control.backend import InstancePhase
 from llumnix.control.drains import Drains
@@ -32,16 +32,18 @@ class AutoscalingPass:
                           if i.phase in (InstancePhase.STARTING, InstancePhase.READY)
                           and i.instance_id not in self.drains)
 
-    async def step(self, settings: ServiceSettings, desired: int, held_tokens: Sequence[int] = ()) -> bool:
+    async def step(self, settings: ServiceSettings, desired: int,
+                   held_tokens: Callable[[], Awaitable[Sequence[int]]] | None = None) -> bool:
         """One decision; True when the caller is to meet the (possibly moved) target now. `desired`:
-        the instance count before the decision; `held_tokens`: the requests the routers hold."""
-        ready = self.fleet.count(InstancePhase.READY)
-        loads = self.fleet.loads()
-        if self.target is None or len(loads) < ready:
+        the instance count before the decision; `held_tokens()`: the requests the routers hold, read
+        only when a decision is made."""
+        if self.target is None or len(self.fleet.loads()) < self.fleet.count(InstancePhase.READY):
             return False  # a READY instance without a load yet: decide on the whole picture only
+        held = await held_tokens() if held_tokens is not None else ()
+        loads = self.fleet.loads()  # after the read: the loads as fresh as the held requests
         config = settings.autoscaling
         action = autoscaling.decide(loads, self.fleet.count(InstancePhase.STARTING), config,
-                                    settings.load_model, self._last_demand, held_tokens)
+                                    settings.load_model, self._last_demand, held)
         self._last_demand = action.demand
         if action.kind != "drain":
             self._scale_down_wanted_since = None

@@ -202,7 +202,7 @@ class ControlLoop:
 
     async def autoscale(self) -> None:
         """One autoscaling decision; it moves the target (reconcile starts, drains and releases)."""
-        held = await self._router_queues.held_tokens() if self._router_queues is not None else []
+        held = self._router_queues.held_tokens if self._router_queues is not None else None
         if await self._autoscaling.step(self.settings, self.desired, held):
             await self._meet_target()
 

@@ -1,14 +1,14 @@
 """Proof with real parts: Debian's `prometheus` server scrapes, once a second, a `llumnix up` service of
-two sim engines (its router and llumlets) and the cluster-in-a-test (the operator, the router it
-deploys and every engine pod's llumlet, each pod a real sim engine + llumlet) while a load spike
-scales the cluster's service up and its fall drains a pod by live migration; then every query of
-every dashboard panel, evaluated by that Prometheus over the run through its HTTP API
-(/api/v1/query_range, as Grafana does), returns data. The cluster's router and llumlet targets carry
-the labels the chart's PodMonitors attach (`namespace`, `llmservice`), the `llumnix up` ones none (as
-scraped outside Kubernetes): with the dashboards' namespace / LLMService variables at All every query
-sees both services, with the cluster's service selected every per-service query has data of that
-service alone (a migration latency quantile may be NaN: may_have_no_quantile), and with a service that
-does not exist none has data.
+two sim engines (its router and llumlets) and the cluster-in-a-test (the operator, the router it deploys
+and every engine pod's llumlet, each pod a real sim engine + llumlet) while a load spike scales the
+cluster's service up, a lowered instances.max drains a busy pod by live migration and the load's fall
+drains the freest pod; then every query of every dashboard panel, evaluated by that Prometheus over the
+run through its HTTP API (/api/v1/query_range, as Grafana does), returns data. The cluster's router and
+llumlet targets carry the labels the chart's PodMonitors attach (`namespace`, `llmservice`), the
+`llumnix up` ones none (as scraped outside Kubernetes): with the dashboards' namespace / LLMService
+variables at All every query sees both services, with the cluster's service selected every per-service
+query has data of that service alone (a migration latency quantile may be NaN: may_have_no_quantile),
+and with a service that does not exist none has data.
 
 With LLUMNIX_DASHBOARD_FIGURES=<folder> the run also draws each dashboard from that data
 (scripts/render_dashboards.py), which is how docs/figures/dashboards/*.png are made."""
@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import kubernetes
 import pytest
 from cluster_harness import Load, wait_for
 from kube_emulator import EmulatedCluster
@@ -34,6 +35,11 @@ from kubelet_emulator import Kubelet
 from script_module import load_script
 from test_local_mode import processes_using, read_until, up, write_manifest
 from test_operator_cluster import (  # noqa: F401 (cluster is a fixture)
+    MERGE,
+    NS,
+    G,
+    P,
+    V,
     cluster,
     operator_and_kubelet,
     start_autoscaled_service,
@@ -250,16 +256,28 @@ def test_every_dashboard_panel_has_data_in_prometheus(
     tmp_path: Path,
 ) -> None:
     render = load_script("render_dashboards")
+    custom = kubernetes.client.CustomObjectsApi(
+        kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)))
+
+    def status() -> dict:
+        return cluster.emulator.live("llmservices").get(SERVICE, {}).get("status") or {}
 
     def ready() -> int:
-        live = cluster.emulator.live("llmservices").get(SERVICE, {})
-        return ((live.get("status") or {}).get("instances") or {}).get("ready", 0)
+        return (status().get("instances") or {}).get("ready", 0)
 
     def engine_pods() -> set[str]:
         return {n for n in cluster.emulator.live("pods") if n.startswith(f"{SERVICE}-engine-")}
 
     def in_prometheus(expr: str) -> bool:
         return bool(prometheus.query(expr))
+
+    def all_busy() -> bool:
+        summaries = status().get("instanceSummaries") or []
+        return len(summaries) == len(engine_pods()) and all(i.get("running", 0) >= 1 for i in summaries)
+
+    def set_max(instances: int) -> None:
+        patch = {"spec": {"instances": {"max": instances}}}
+        custom.patch_namespaced_custom_object(G, V, NS, P, SERVICE, patch, _content_type=MERGE)
 
     with LocalService(tmp_path) as local, Load(local.url, clients=2) as local_load, \
             operator_and_kubelet(cluster) as (kubelet, runner), \
@@ -270,8 +288,20 @@ def test_every_dashboard_panel_has_data_in_prometheus(
         with Load(url, clients=8) as spike:  # a scale-up
             wait_for(lambda: ready() >= 2 and len(engine_pods()) >= 2, 180, "a scale-up by the autoscaler")
             wait_for(lambda: spike.ok >= 10, 120, "requests served after the scale-up")
+            # A drain that must migrate, driven: the autoscaler drains the freest instance, which
+            # may hold no request (a hogged run's did not: no control-loop migration, no move for
+            # the router to follow), so with every instance busy instances.max goes below the count.
+            wait_for(all_busy, 60, "requests running on every instance")
+            busy = len(engine_pods())
+            set_max(busy - 1)
+            wait_for(lambda: (status().get("migrations") or {}).get("completed", 0) >= 1, 120,
+                     "a drained instance's migration")
+            moves = f'llumnix_router_moves_followed_total{{llmservice="{SERVICE}"}} > 0'
+            wait_for(lambda: in_prometheus(moves), 30, "the router's followed move scraped")
+            set_max(3)
+            wait_for(lambda: ready() >= 2 and len(engine_pods()) >= 2, 180, "scaled up again")
         peak = len(engine_pods())
-        with Load(url, clients=1) as trickle:  # the load falls: the freest pod drains by migration
+        with Load(url, clients=1) as trickle:  # the load falls: the freest pod drains
             wait_for(lambda: len(engine_pods()) < peak, 180, "a drained pod deleted")
             wait_for(lambda: trickle.ok >= 3, 60, "requests after the scale-down")
         # what the run did is in Prometheus once the last scrapes of it landed
