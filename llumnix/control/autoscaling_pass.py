@@ -37,10 +37,12 @@ class AutoscalingPass:
         """One decision; True when the caller is to meet the (possibly moved) target now. `desired`:
         the instance count before the decision; `held_tokens()`: the requests the routers hold, read
         only when a decision is made."""
-        if self.target is None or len(self.fleet.loads()) < self.fleet.count(InstancePhase.READY):
-            return False  # a READY instance without a load yet: decide on the whole picture only
+        if self.target is None:
+            return False
         held = await held_tokens() if held_tokens is not None else ()
         loads = self.fleet.loads()  # after the read: the loads as fresh as the held requests
+        if len(loads) < self.fleet.count(InstancePhase.READY):
+            return False  # a READY instance without a load yet: decide on the whole picture only
         config = settings.autoscaling
         action = autoscaling.decide(loads, self.fleet.count(InstancePhase.STARTING), config,
                                     settings.load_model, self._last_demand, held)

@@ -292,8 +292,7 @@ def test_every_dashboard_panel_has_data_in_prometheus(
             # may hold no request (a hogged run's did not: no control-loop migration, no move for
             # the router to follow), so with every instance busy instances.max goes below the count.
             wait_for(all_busy, 60, "requests running on every instance")
-            busy = len(engine_pods())
-            set_max(busy - 1)
+            set_max(len(engine_pods()) - 1)
             wait_for(lambda: (status().get("migrations") or {}).get("completed", 0) >= 1, 120,
                      "a drained instance's migration")
             moves = f'llumnix_router_moves_followed_total{{llmservice="{SERVICE}"}} > 0'

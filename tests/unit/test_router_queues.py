@@ -26,15 +26,18 @@ async def test_routers_that_cannot_be_listed_add_no_held_request(caplog: pytest.
     await queues.close()
 
 
-async def test_a_router_too_slow_to_answer_counts_its_recent_answer_and_a_gone_one_none() -> None:
-    answered_once = asyncio.Event()
-    released = asyncio.Event()
+async def _router(body: bytes, answers: int) -> tuple[web.AppRunner, str, asyncio.Event]:
+    """A router serving `body` for its first `answers` reads, then too busy to answer any until the
+    event is set."""
+    served = 0
+    stuck = asyncio.Event()
 
     async def held_demand(request: web.Request) -> web.Response:
-        if answered_once.is_set():
-            await released.wait()  # a router too busy to answer within the read timeout
-        answered_once.set()
-        return web.Response(body=held_demand_to_bytes([480, 160]), content_type=CONTENT_TYPE)
+        nonlocal served
+        served += 1
+        if served > answers:
+            await stuck.wait()
+        return web.Response(body=body, content_type=CONTENT_TYPE)
 
     app = web.Application()
     app.router.add_get(HELD_DEMAND_PATH, held_demand)
@@ -42,20 +45,26 @@ async def test_a_router_too_slow_to_answer_counts_its_recent_answer_and_a_gone_o
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    return runner, f"http://127.0.0.1:{port}", stuck
+
+
+async def test_a_router_too_slow_to_answer_counts_its_recent_answer_and_a_gone_one_none() -> None:
+    slow, slow_url, unstick = await _router(held_demand_to_bytes([480, 160]), answers=1)
+    gone, gone_url, _ = await _router(held_demand_to_bytes([32]), answers=1)
     now = [100.0]
-    queues = RouterQueues(lambda: _constant([f"http://127.0.0.1:{port}", gone]), None, clock=lambda: now[0])
+
+    async def routers() -> list[str]:
+        return [slow_url, gone_url]
+
+    queues = RouterQueues(routers, None, clock=lambda: now[0])
     try:
+        assert await queues.held_tokens() == [480, 160, 32]
+        await gone.cleanup()  # its connection is refused from now on: its requests went with it
+        now[0] += STALE_S  # the slow one does not answer in time: its last answer, still recent
         assert await queues.held_tokens() == [480, 160]
-        now[0] += STALE_S  # no answer in time: its last one, still recent
-        assert await queues.held_tokens() == [480, 160]
-        now[0] += 0.1  # the last answer is too old now
+        now[0] += 0.1  # its last answer is too old now
         assert await queues.held_tokens() == []
     finally:
-        released.set()
         await queues.close()
-        await runner.cleanup()
-
-
-async def _constant(urls: list[str]) -> list[str]:
-    return urls
+        unstick.set()
+        await slow.cleanup()
