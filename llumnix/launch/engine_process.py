@@ -41,6 +41,12 @@ CPU_ENGINE_NICE = 5
 """A CPU engine computes on the cores its llumlet, the router and the control loop also need; they are
 on every token's path and must not wait behind a decode step (measured: a test client 2.8 s behind two
 busy engines on 2 cores), so the engine yields to them."""
+CPU_ENGINE_THREADS = 1
+"""OpenMP threads of a CPU engine's forward, not pinned to cores, unless `spec.engine.resources.cpu` asks
+for more. vLLM's own choice pins one thread to every core it sees; two such engines on one host spin at
+each other's barriers whenever a thread of either is preempted. Measured with two engines on 2 cores
+(docs/migration.md): the longest migration downtime in 50 fell from 4.0-4.2 s to 0.44-0.45 s and
+tokens/s did not drop (`bench/cpu_engine_pair.py`)."""
 STOP_GRACE_S = 15.0
 CPU_BLOCK_SIZE = 32
 """CPU attention needs a multiple of 32."""
@@ -89,6 +95,8 @@ class EngineLaunchConfig:
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     nice: int | None = None
     """The engine processes' niceness (None: CPU_ENGINE_NICE on CPU, 0 on GPU)."""
+    cpu_threads: int = CPU_ENGINE_THREADS
+    """CPU: OpenMP threads of the engine's forward, not pinned to cores."""
     log_path: Path | None = None
     python: str = sys.executable
 
@@ -97,6 +105,8 @@ class EngineLaunchConfig:
             raise ValueError(f"block size {self.block_size} must be a multiple of {CPU_BLOCK_SIZE} on CPU")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} must lie in (0, 1]")
 
@@ -110,10 +120,32 @@ def engine_launch_config(engine: EngineSpec, *, model: str | Path, served_model_
     tp = engine.resources.tensor_parallel_size
     if tp > 1:
         args = ["--tensor-parallel-size", str(tp), *args]
+    if engine.resources.cpu:
+        placement.setdefault("cpu_threads", whole_cpus(engine.resources.cpu))
     return EngineLaunchConfig(
         model=model, port=port, served_model_name=served_model_name,
         device="cpu" if engine.runtime == "vllm-cpu" else "gpu", block_size=engine.block_size,
         gpu_memory_utilization=engine.gpu_memory_utilization, extra_args=tuple(args), **placement)
+
+
+_QUANTITY_SUFFIXES = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+                      "E": 1e18, "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50,
+                      "Ei": 2.0**60}
+
+
+def whole_cpus(quantity: str) -> int:
+    """The whole CPUs in a Kubernetes CPU quantity ('4', '2.5', '1500m'), at least 1."""
+    text = quantity.strip()
+    number, scale = text, 1.0
+    for suffix in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            number, scale = text[: -len(suffix)], _QUANTITY_SUFFIXES[suffix]
+            break
+    try:
+        cpus = float(number) * scale
+    except ValueError:
+        raise ValueError(f"not a CPU quantity: {quantity!r}") from None
+    return max(1, int(cpus))
 
 
 def connector_config(config: EngineLaunchConfig) -> dict[str, object]:
@@ -177,6 +209,8 @@ def build_command(config: EngineLaunchConfig) -> tuple[list[str], dict[str, str]
         # a lost wake-up (llumnix/engine/vllm_shm_wait.py).
         env[SHM_BUSY_ENV] = str(SHM_READER_BUSY_S)
         env[SHM_RECHECK_ENV] = str(SHM_READER_RECHECK_MS)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads)
     elif config.kv_cache_gib is not None:
         argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))]
     else:

@@ -46,6 +46,7 @@ def test_a_gpu_engine_takes_vllms_defaults_and_sizes_its_cache_by_memory_utilisa
                            "--enforce-eager"):
         assert engine_default not in got
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "VLLM_TARGET_DEVICE" not in env
+    assert "OMP_NUM_THREADS" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
 
 
 def test_set_values_reach_a_gpu_engine() -> None:
@@ -63,6 +64,24 @@ def test_a_cpu_engine_gets_the_cpu_defaults() -> None:
     assert (got["--block-size"], got["--max-model-len"], got["--dtype"]) == ("32", "1024", "float32")
     assert "--gpu-memory-utilization" not in got and "--enforce-eager" in got
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    # One forward thread, not pinned: engines sharing cores must not spin at each other's barriers.
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "nobind")
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [(None, "1"), ("4", "4"), ("2.5", "2"), ("2500m", "2"),
+                                              ("500m", "1"), ("1.9", "1")])
+def test_a_cpu_engine_computes_on_the_whole_cpus_its_spec_asks_for(cpu: str | None, threads: str,
+                                                                  tmp_path: Path) -> None:
+    engine = {"runtime": "vllm-cpu", **({"resources": {"cpu": cpu}} if cpu else {})}
+    _, pod_env = engine_command(service(engine).spec)
+    pair = EnginePair(pair_config(service(engine), "s-0", tmp_path, None))
+    _, local_env = build_command(pair.engine.config)  # type: ignore[attr-defined]
+    assert pod_env["OMP_NUM_THREADS"] == local_env["OMP_NUM_THREADS"] == threads
+
+
+def test_cpu_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineLaunchConfig(model="/m", port=1, cpu_threads=0)
 
 
 def test_memory_utilisation_must_be_a_share() -> None:
