@@ -74,7 +74,7 @@ class Channel:
             host="127.0.0.1",
             staging=self.staging,
             kv_secret=self.secret,
-            device=torch.device(device) if backend == "nccl" else None,
+            device=torch.device(device),  # as the engine does: pair payloads and pinning follow it
             timeout_s=TIMEOUT_S,
         )
         self.receiver.start()
@@ -125,11 +125,7 @@ def move(
     if not ack.ok:
         raise KVTransportError(ack.error)
     staged = channel.staging.take(migration_id)
-    raw = staged.blocks(0, blocks)
-    flat = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
-    destination.copy_in_block_major(
-        ids, flat.view(getattr(torch, layout.dtype)).reshape(destination.block_major_shape(blocks))
-    )
+    destination.copy_in_parts(ids, staged.parts(0, blocks))  # what the destination engine's load does
     synchronize(device)
     loaded = time.perf_counter()
     equal = bool(torch.equal(destination.copy_out_block_major(ids), buffer))

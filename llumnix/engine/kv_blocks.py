@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+
+LOAD_CHUNK_BYTES = 128 << 20
+"""Staged blocks go to the cache's device in chunks of at most this much (one block at least): a
+bounded scratch, never a second copy of a whole request's KV on the device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +136,26 @@ class KVBlockCopier:
         for position, layer in enumerate(self._layers):
             source = buffer[:, position].reshape(kernel_blocks, *shape[3:])
             layer.index_copy_(0, index, source.to(device=layer.device, dtype=layer.dtype))
+
+    def copy_in_parts(self, block_ids: Sequence[int], parts: Sequence[Any]) -> None:
+        """Writes staged blocks (one bytes-like or flat uint8 tensor per block id, block-major) into the
+        blocks given. Each chunk of blocks is copied whole into a scratch on the cache's device, and
+        only there split into layers: slicing layers out of a host buffer meant a strided host copy and
+        a device transfer per layer (6.4 s for 8k tokens of LLaMA-7B KV on an H200 host, docs/gpu.md)."""
+        if len(parts) != len(block_ids):
+            raise ValueError(f"{len(parts)} staged blocks for {len(block_ids)} block ids")
+        layout = self.layout
+        per_chunk = max(1, min(len(parts), LOAD_CHUNK_BYTES // layout.bytes_per_block))
+        scratch = torch.empty((per_chunk, layout.bytes_per_block), dtype=torch.uint8,
+                              device=self._layers[0].device)
+        for start in range(0, len(parts), per_chunk):
+            chunk = parts[start:start + per_chunk]
+            for row, part in zip(scratch, chunk, strict=False):
+                if not isinstance(part, torch.Tensor):
+                    part = torch.frombuffer(part, dtype=torch.uint8)
+                if part.numel() != layout.bytes_per_block:
+                    raise ValueError(f"a staged block has {part.numel()} bytes, not {layout.bytes_per_block}")
+                row.copy_(part)
+            buffer = scratch[:len(chunk)].view(getattr(torch, layout.dtype))
+            self.copy_in_block_major(block_ids[start:start + len(chunk)],
+                                     buffer.reshape(self.block_major_shape(len(chunk))))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -104,9 +103,7 @@ class ConnectorWorker:
             error = f"staging holds {staged.num_tokens} tokens, the request needs {load.end_token}"
         if not error:
             try:
-                raw = staged.blocks(first, last)
-                buffer = self._as_buffer(raw, len(block_ids))
-                self._copier.copy_in_block_major(block_ids, buffer)
+                self._copier.copy_in_parts(block_ids, staged.parts(first, last))
             except (KeyError, ValueError) as exc:
                 error = str(exc)
         if error:
@@ -121,13 +118,6 @@ class ConnectorWorker:
             bytes=0 if error else len(block_ids) * self._copier.layout.bytes_per_block,
             copy_ms=1e3 * (time.perf_counter() - started), error=error, timestamp=time.time(),
         ))
-
-    def _as_buffer(self, raw: Any, num_blocks: int) -> torch.Tensor:
-        """Staged bytes as a block-major buffer of the engine's layout (no copy for CPU bytes)."""
-        assert self._copier is not None
-        dtype = getattr(torch, self._copier.layout.dtype)
-        flat = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
-        return flat.view(dtype).reshape(self._copier.block_major_shape(num_blocks))
 
     def _publish(self, event: MigrationEvent) -> None:
         if self._events is not None:

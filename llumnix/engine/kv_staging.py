@@ -35,13 +35,18 @@ class StagedKV:
     bytes_per_block: int
     block_data: dict[int, Any]
 
-    def blocks(self, first: int, last: int) -> Any:
-        """Blocks [first, last) as one contiguous buffer (a bytearray; a tensor for device payloads),
-        ready for `KVBlockCopier.copy_in` once viewed as its layout. KeyError names a missing block."""
+    def parts(self, first: int, last: int) -> list[Any]:
+        """Blocks [first, last), one bytes-like (or flat uint8 tensor) per block, as staged: what
+        `KVBlockCopier.copy_in_parts` takes without joining them first. KeyError names a missing block."""
         missing = [index for index in range(first, last) if index not in self.block_data]
         if missing:
             raise KeyError(f"migration {self.migration_id}: blocks {missing} were never staged")
-        parts = [self.block_data[index] for index in range(first, last)]
+        return [self.block_data[index] for index in range(first, last)]
+
+    def blocks(self, first: int, last: int) -> Any:
+        """Blocks [first, last) as one contiguous buffer (a bytearray; a tensor for device payloads),
+        ready for `KVBlockCopier.copy_in` once viewed as its layout. KeyError names a missing block."""
+        parts = self.parts(first, last)
         if parts and not isinstance(parts[0], memoryview):
             import torch  # device payloads (NCCL) are tensors; torch is loaded wherever those exist
 

@@ -78,14 +78,18 @@ def recv_exact(sock: socket.socket, size: int) -> bytearray:
     through the engine process's GIL, which its model thread holds between steps' ops, so a payload
     read in 64 KiB pieces waited for the GIL once per piece."""
     buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
+    recv_into_exact(sock, memoryview(buffer))
+    return buffer
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fills the writable `view` from `sock` (see `recv_exact`)."""
+    size, received = len(view), 0
     while received < size:
         count = sock.recv_into(view[received:], size - received, socket.MSG_WAITALL)
         if count == 0:
             raise ConnectionError(f"peer closed the connection after {received} of {size} bytes")
         received += count
-    return buffer
 
 
 def recv_message(sock: socket.socket) -> bytes:

@@ -9,7 +9,7 @@ from typing import Any
 
 from llumnix.engine.kv_staging import StagingStore
 from llumnix.engine.kv_transport import KVSender, StageCallback
-from llumnix.engine.kv_transport_pair import KVStageReceiver, PairKVSender
+from llumnix.engine.kv_transport_pair import KVStageReceiver, PairKVSender, is_cuda
 from llumnix.engine.kv_transport_tcp import TcpKVSender
 from llumnix.v1.kv_transfer_pb2 import KVChannel
 
@@ -24,7 +24,7 @@ def available_channels(device: Any = None) -> list[str]:
     channels = ["tcp"]
     if gloo_available():
         channels.append("gloo")
-    if device is not None and str(getattr(device, "type", device)).startswith("cuda"):
+    if is_cuda(device):
         channels.append("nccl")
     return channels
 

@@ -37,7 +37,9 @@ def open_store(host: str, timeout_s: float) -> tuple[Any, str]:
 
 
 class GlooPair:
-    def __init__(self, channel: KVChannel, rank: int, local_host: str, timeout_s: float) -> None:
+    def __init__(self, channel: KVChannel, rank: int, local_host: str, timeout_s: float,
+                 pin_memory: bool = False) -> None:
+        """`pin_memory`: receive into page-locked memory (a CUDA cache loads it at the bus's speed)."""
         dist = _distributed()
         import torch
 
@@ -52,13 +54,14 @@ class GlooPair:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         options._timeout = timeout
         self._peer = 1 - rank
+        self._pin_memory = pin_memory
         self._group = dist.ProcessGroupGloo(store, rank, 2, options)
 
     def send(self, flat: Any) -> None:
         self._group.send([flat.cpu()], self._peer, 0).wait()
 
     def recv(self, size: int) -> Any:
-        flat = self._torch.empty(size, dtype=self._torch.uint8)
+        flat = self._torch.empty(size, dtype=self._torch.uint8, pin_memory=self._pin_memory)
         if size:
             self._group.recv([flat], self._peer, 0).wait()
         return flat

@@ -33,6 +33,7 @@ from llumnix.engine.kv_transport import (
     encode_message,
     parse_tcp_address,
     read_ack,
+    recv_into_exact,
     recv_message,
 )
 from llumnix.engine.kv_transport_tcp import TcpKVReceiver
@@ -57,11 +58,12 @@ class PairCommunicator(Protocol):
 def join_pair(channel: KVChannel, rank: int, local_host: str, timeout_s: float,
               device: Any = None) -> PairCommunicator:
     """Joins `channel` as `rank`; blocks until the peer joined too. `local_host`: this end's address on
-    the route to the peer (gloo binds its device there); `device`: the CUDA device (nccl)."""
+    the route to the peer (gloo binds its device there); `device`: the engine's KV cache device (nccl
+    payloads arrive there; gloo's arrive in host memory, page-locked for a CUDA cache)."""
     if channel.backend == "gloo":
         from llumnix.engine.kv_transport_gloo import GlooPair
 
-        return GlooPair(channel, rank, local_host, timeout_s)
+        return GlooPair(channel, rank, local_host, timeout_s, pin_memory=is_cuda(device))
     if channel.backend == "nccl":
         from llumnix.engine.kv_transport_nccl import NcclPair
 
@@ -195,9 +197,15 @@ class PairKVSender(KVSender):
             self._drop("closed")
 
 
+def is_cuda(device: Any) -> bool:
+    return device is not None and str(getattr(device, "type", device)).startswith("cuda")
+
+
 class KVStageReceiver(TcpKVReceiver):
     """The engine's KV receiver: TCP frames, and pair channels whose first header names the channel.
-    `device`: the engine's KV cache device (nccl payloads arrive there; gloo's arrive on the CPU)."""
+    `device`: the engine's KV cache device (nccl payloads arrive there; tcp's and gloo's in host memory,
+    page-locked when the cache is on CUDA: its load then copies at the bus's speed, 51.6 GiB/s against
+    8.9 from pageable memory on an H200 host, and the load at admission is part of the downtime)."""
 
     def __init__(self, host: str, port: int = 0, *, staging: StagingStore,
                  on_stage: StageCallback | None = None, device: Any = None,
@@ -205,6 +213,15 @@ class KVStageReceiver(TcpKVReceiver):
         super().__init__(host, port, staging=staging, on_stage=on_stage, kv_secret=kv_secret)
         self.device = device
         self.timeout_s = timeout_s
+
+    def _receive_payload(self, conn: socket.socket, size: int) -> Any:
+        if not is_cuda(self.device):
+            return super()._receive_payload(conn, size)
+        import torch  # a CUDA cache: torch is loaded
+
+        flat = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        recv_into_exact(conn, memoryview(flat.numpy()))
+        return flat
 
     def _serve_connection(self, conn: socket.socket, header: KVStageHeader) -> None:
         if not header.HasField("channel"):

@@ -199,10 +199,13 @@ class TcpKVReceiver(KVReceiver):
             _skip(conn, header.payload_bytes)
             conn.sendall(encode_message(self._ack(header, str(exc))))
             return True
-        payload = recv_exact(conn, header.payload_bytes)
-        self._store(header, payload)
+        self._store(header, self._receive_payload(conn, header.payload_bytes))
         conn.sendall(encode_message(self._ack(header)))
         return True
+
+    def _receive_payload(self, conn: socket.socket, size: int) -> Any:
+        """A frame's payload, as staging will hold it."""
+        return recv_exact(conn, size)
 
     def _store(self, header: KVStageHeader, payload: Any) -> None:
         self.staging.put(header, payload)

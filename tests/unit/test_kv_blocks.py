@@ -82,3 +82,37 @@ def test_bad_inputs_raise_clear_errors():
     mixed["layer.1"] = mixed["layer.1"].to(torch.bfloat16)
     with pytest.raises(ValueError, match="mixed layouts"):
         KVBlockCopier(mixed, 16)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 64])
+def test_staged_parts_load_into_other_blocks_chunk_by_chunk(monkeypatch, device, strided, chunk_blocks):
+    """Staged blocks (bytes as tcp stages them, uint8 tensors as gloo/NCCL do) land in the blocks given,
+    whatever the chunking, on the cache's device; nothing else is touched."""
+    source = {name: t.to(device) for name, t in make_caches(strided=strided, kernel_blocks=8).items()}
+    destination = {name: torch.zeros_like(t) for name, t in source.items()}
+    source_copier, dst_copier = KVBlockCopier(source, 8), KVBlockCopier(destination, 8)
+    bytes_per_block = dst_copier.layout.bytes_per_block
+    monkeypatch.setattr("llumnix.engine.kv_blocks.LOAD_CHUNK_BYTES", chunk_blocks * bytes_per_block)
+    staged = source_copier.copy_out_block_major([1, 2, 3, 6, 0]).view(torch.uint8).cpu().reshape(5, -1)
+    parts = [memoryview(bytearray(staged[0].numpy().tobytes())), staged[1].clone(), staged[2].to(device),
+             bytearray(staged[3].numpy().tobytes()), staged[4].clone()]
+    dst_copier.copy_in_parts([7, 4, 5, 0, 2], parts)
+    for name in source:
+        for target, origin in ((7, 1), (4, 2), (5, 3), (0, 6), (2, 0)):
+            assert torch.equal(destination[name][target], source[name][origin])
+        assert not destination[name][[1, 3, 6]].any()
+
+
+def test_staged_parts_must_match_the_blocks_and_their_size():
+    copier = KVBlockCopier(make_caches(kernel_blocks=8), 8)
+    block = bytearray(copier.layout.bytes_per_block)
+    with pytest.raises(ValueError, match="2 staged blocks for 1 block ids"):
+        copier.copy_in_parts([0], [block, block])
+    with pytest.raises(ValueError, match="a staged block has 3 bytes"):
+        copier.copy_in_parts([0], [bytearray(3)])

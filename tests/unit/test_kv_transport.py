@@ -435,3 +435,25 @@ def test_nccl_stages_land_in_device_staging(rendezvous) -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_a_cuda_engine_stages_host_payloads_in_page_locked_memory(rendezvous, backend) -> None:
+    """tcp and gloo stages of an engine whose cache is on CUDA land in pinned host memory (its load at
+    admission copies at the bus's speed); a CPU engine's stay in ordinary memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    staging = StagingStore(BLOCK, "float32")
+    receiver = make_receiver(host="127.0.0.1", staging=staging, kv_secret=SECRET, device=torch.device("cuda"))
+    receiver.start()
+    channel = rendezvous.open(OpenChannel(backend="gloo", migration_id="p")) if backend == "gloo" else None
+    sender = make_sender(backend, receiver.address, timeout_s=5, channel=channel)
+    try:
+        payload = _tensor(7, 8) if backend == "gloo" else memoryview(bytearray(_blocks(7, 8)))
+        assert sender.send(_header("p", 1, 0, 2, 40), payload).ok
+        parts = staging.take("p").parts(0, 2)
+        assert all(isinstance(part, torch.Tensor) and part.is_pinned() for part in parts)
+        assert b"".join(bytes(part.numpy()) for part in parts) == _blocks(7, 8)
+    finally:
+        sender.close()
+        receiver.close()
