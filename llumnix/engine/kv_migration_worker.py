@@ -36,13 +36,16 @@ _Work = tuple[ExportItem, torch.Tensor, Any, float]
 def transfer_payload(buffer: torch.Tensor, transport: str) -> Any:
     """What a sender of `transport` takes: the buffer's bytes, flat uint8 (a memoryview of the CPU
     tensor for tcp, the CPU tensor for gloo, the device tensor for nccl; no copy on the engine's
-    device)."""
+    device). A CUDA buffer is copied to page-locked host memory (from torch's caching host allocator):
+    on an H200 host that copy runs at ~50 GiB/s, into fresh pageable memory at 1.5 (docs/gpu.md)."""
     flat = buffer.contiguous().view(torch.uint8).reshape(-1)
     if transport == "nccl":
         return flat
-    if transport == "gloo":
-        return flat.cpu()
-    return memoryview(flat.cpu().numpy())
+    host = flat
+    if flat.is_cuda:
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat)
+    return host if transport == "gloo" else memoryview(host.numpy())
 
 
 class StageSender:

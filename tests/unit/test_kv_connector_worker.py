@@ -11,7 +11,7 @@ from waiting import wait_until_sync
 from llumnix.engine.handshake import migration_key
 from llumnix.engine.kv_blocks import KVBlockCopier
 from llumnix.engine.kv_migration_plan import Destination, ExportItem
-from llumnix.engine.kv_migration_worker import StageSender, StagingService
+from llumnix.engine.kv_migration_worker import StageSender, StagingService, transfer_payload
 from llumnix.engine.kv_transport_pair import ChannelRendezvous
 from llumnix.v1.kv_transfer_pb2 import (
     MIGRATION_EVENT_KIND_STAGE_FAILED,
@@ -202,3 +202,18 @@ def test_connector_workers_move_a_final_stage_and_load_it(tmp_path, rendezvous, 
             pull.close(linger=0)
         source.close()
         target.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_stage_payloads_by_transport(device) -> None:
+    """A stage goes out as the buffer's bytes: in host memory for tcp (a memoryview) and gloo (a tensor),
+    page-locked when copied off a CUDA cache; on the device for nccl."""
+    buffer = torch.arange(24, dtype=torch.float32, device=device).reshape(2, 3, 4)
+    expected = buffer.cpu().numpy().tobytes()
+    tcp, gloo = transfer_payload(buffer, "tcp"), transfer_payload(buffer, "gloo")
+    assert isinstance(tcp, memoryview) and bytes(tcp) == expected
+    assert gloo.device.type == "cpu" and bytes(gloo.numpy()) == expected
+    assert gloo.is_pinned() == (device == "cuda")
+    nccl = transfer_payload(buffer, "nccl")
+    assert nccl.device == buffer.device and bytes(nccl.cpu().numpy()) == expected
