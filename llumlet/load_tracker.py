@@ -90,6 +90,13 @@ class LoadTracker:
         self._snapshot_received = time.time() if received_at is None else received_at
         self.notify()
 
+    def engine_runs(self, request_id: str, since: float) -> bool:
+        """Whether a snapshot the engine took after `since` (seconds since the epoch) lists the request
+        as running there."""
+        snapshot = self._snapshot
+        return (snapshot is not None and snapshot.timestamp > since
+                and any(request.request_id == request_id for request in snapshot.running))
+
     def on_metrics(self, metrics: EngineMetrics, observed_at: float | None = None) -> None:
         previous = self._metrics
         self._metrics_preemptions = max(0, metrics.preemptions_total - previous.preemptions_total) \

@@ -68,6 +68,7 @@ class _Progress:
     migration_id: str
     record: RequestRecord
     destination: LlumletMigrationStub
+    destination_address: str
     started: float = field(default_factory=time.monotonic)
     stages: int = 0
     staged_tokens: int = 0
@@ -100,6 +101,12 @@ class PeerStubs:
         if channel is None:
             channel = self._channels[address] = llumlet_channel(address)
         return LlumletMigrationStub(channel)
+
+    def connected(self, address: str) -> bool:
+        """Whether the channel to `address` holds a connection: it leaves READY as soon as the peer's
+        process dies (its kernel closes the connection), without a call."""
+        channel = self._channels.get(address)
+        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -173,7 +180,7 @@ class Source:
             return mpb.MigrateOutResponse(outcome=exc.outcome, request_id=request.request_id,
                                           reason=exc.reason)
         progress = _Progress(f"{self.instance_id}-{uuid.uuid4().hex[:12]}", record,
-                             self.peers.stub(request.destination_address))
+                             self.peers.stub(request.destination_address), request.destination_address)
         self.active.add(progress.migration_id)
         self.tracker.migrating_out.add(record.request_id)
         self.tracker.notify()
@@ -296,8 +303,11 @@ class Source:
             progress.staged_tokens = max(progress.staged_tokens, event.num_tokens)
             progress.bytes += event.bytes
             # A stage the destination engine acknowledged shows it alive; its llumlet's lease needs
-            # renewing only now and then, not one more round trip per stage.
-            if time.monotonic() - progress.renewed < answer.lease_ms / 4000:
+            # renewing only now and then, not one more round trip per stage, or at once when the
+            # connection to that llumlet dropped (its process died: the Renew fails now, not a quarter
+            # of a lease later).
+            if (time.monotonic() - progress.renewed < answer.lease_ms / 4000
+                    and self.peers.connected(progress.destination_address)):
                 continue
             progress.renewed = time.monotonic()
             try:
@@ -329,11 +339,18 @@ class Source:
         raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED, reason)
 
     async def _finishing(self, progress: _Progress) -> bool:
-        """Whether the request is ending here, within a short grace."""
+        """Whether the request is ending here, within a short grace: the engine can fail a stage of a
+        request it has just finished before this llumlet reads the request's last chunk. An engine
+        snapshot taken after the failure that still lists the request as running settles it at once
+        (a dead destination is not waited on for the whole grace)."""
+        failed_at = time.time()
         deadline = time.monotonic() + _FINISH_GRACE_S
+        request_id = progress.record.request_id
         while time.monotonic() < deadline:
-            if progress.record.finish_reasons or not self.admission.running(progress.record.request_id):
+            if progress.record.finish_reasons or not self.admission.running(request_id):
                 return True
+            if self.tracker.engine_runs(request_id, since=failed_at):
+                return False
             await asyncio.sleep(_POLL_S / 5)
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -248,8 +249,9 @@ async def test_request_finishing_during_its_migration_stays_on_the_source(cluste
     await cluster.stager.wait_idle()
 
 
+@pytest.mark.parametrize("dies", ["engine", "llumlet"])
 async def test_destination_dying_mid_stage_aborts_and_the_source_continues(
-        cluster: Cluster, sim_pairs: StartPairs) -> None:
+        cluster: Cluster, sim_pairs: StartPairs, dies: str) -> None:
     (doomed_pair,) = await sim_pairs(1, "doomed", engine_args=SIM_ARGS, block_size=16, max_model_len=2048,
                                      num_blocks=1000)
     doomed = Llumlet(doomed_pair)
@@ -259,7 +261,10 @@ async def test_destination_dying_mid_stage_aborts_and_the_source_continues(
     await _after_tokens(stream, 10)
     migration = asyncio.create_task(cluster.stager.migrate_out(doomed, "m-7"))
     await doomed.wait_load(lambda load: load.migrating_in == 1 and load.reserved_blocks > 0, "staging")
-    doomed_pair.kill_engine()
+    if dies == "engine":
+        doomed_pair.kill_engine()
+    else:  # its engine keeps taking stages; the source learns it from the dropped connection
+        doomed_pair.llumlet.signal(signal.SIGKILL)
     result = await migration
     assert result.outcome == mpb.MIGRATION_OUTCOME_ABORTED, result
     await task

@@ -179,3 +179,16 @@ def test_metrics_parser_needs_the_cache_config() -> None:
             metrics.preemptions_total) == (2000, 1500, 1, 1, 4)
     with pytest.raises(MetricsFormatError):
         parse_engine_metrics("vllm:num_requests_running 1\n")
+
+
+def test_whether_the_engine_ran_a_request_after_a_moment_comes_from_a_later_snapshot_only() -> None:
+    tracker = LoadTracker("i", RequestTable())
+    assert not tracker.engine_runs("a", since=NOW)  # no snapshot yet
+    tracker.on_snapshot(_snapshot(1, running=(_req("a", 64, 3, 3),), waiting=(_req("b", 10),), t=NOW))
+    assert not tracker.engine_runs("a", since=NOW)  # taken at, not after, that moment
+    tracker.on_snapshot(_snapshot(2, running=(_req("a", 64, 4, 3),), waiting=(_req("b", 10),), t=NOW + 0.01))
+    assert tracker.engine_runs("a", since=NOW)
+    assert not tracker.engine_runs("b", since=NOW)  # waiting, not running
+    assert not tracker.engine_runs("a", since=NOW + 0.01)
+    tracker.on_snapshot(_snapshot(3, t=NOW + 0.02))  # finished there
+    assert not tracker.engine_runs("a", since=NOW)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import grpc
 import pytest
+from waiting import wait_until_async
 
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
 from llumlet.migration.settings import MigrationSettings
-from llumlet.migration.source import MigrationFailed, Source, _Progress
+from llumlet.migration.source import MigrationFailed, PeerStubs, Source, _Progress
 from llumlet.requests import RequestRecord, RequestTable
 from llumnix.openai_stream import EndpointKind
 from llumnix.service_token import CallMetadata, ServiceToken, call_metadata
@@ -69,7 +71,7 @@ async def _propose(transport: str, engine: list[str], destination: FakeDestinati
                     LlumletMetrics("s", tracker.report), incoming=lambda: 0, token=TOKEN)
     record = RequestRecord("r", EndpointKind.COMPLETION, {"prompt": "x", "max_tokens": 10},
                            prompt_token_ids=(1, 2, 3), generated_token_ids={0: [4]}, migratable=True)
-    progress = _Progress("m", record, destination)  # type: ignore[arg-type]
+    progress = _Progress("m", record, destination, "127.0.0.1:2")  # type: ignore[arg-type]
     try:
         return await source._propose(progress), link
     except MigrationFailed as exc:
@@ -107,3 +109,27 @@ async def test_a_channel_the_source_cannot_use_is_refused_and_released(
     assert failed.outcome == mpb.MIGRATION_OUTCOME_REFUSED and reason in failed.reason
     assert destination.aborted == ["m"] and link.cancelled == ["m"]
     assert destination.presented == {call_metadata(TOKEN)}
+
+
+async def test_the_channel_to_a_peer_reports_its_connection_dropping_when_the_peer_dies() -> None:
+    """What lets a source renew at once, not a quarter lease later, when the destination's llumlet dies:
+    its channel leaves READY without a call as the peer's server goes away."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    peers = PeerStubs(TOKEN)
+    address = f"127.0.0.1:{port}"
+    try:
+        assert not peers.connected(address)  # no channel yet
+        stub = peers.stub(address)
+        with pytest.raises(grpc.aio.AioRpcError, match="UNIMPLEMENTED"):  # a call connects the channel
+            await stub.Renew(mpb.RenewMigrationRequest(migration_id="m"), timeout=5)
+        assert peers.connected(address)
+        await server.stop(None)
+
+        async def dropped() -> bool:
+            return not peers.connected(address)
+
+        await wait_until_async(dropped, "the channel to leave READY after its peer stopped", timeout_s=10)
+    finally:
+        await peers.close()
