@@ -8,18 +8,27 @@ PYTHON=${PYTHON:-python3}
 
 # Debian's prometheus (the server and promtool): tests/integration/test_monitoring_live.py scrapes a
 # running service with it and tests/unit/test_monitoring.py runs promtool; both skip without it.
-# Installed when missing and apt-get can run (root or passwordless sudo); LLUMNIX_WITH_PROMETHEUS=0 skips it.
-if [ "${LLUMNIX_WITH_PROMETHEUS:-1}" != 0 ] && ! { command -v prometheus && command -v promtool; } >/dev/null; then
+# Debian's stress-ng: the CPU hog the suite is checked beside (docs/reliability.md); no test needs it.
+# Installed when missing and apt-get can run (root or passwordless sudo); LLUMNIX_WITH_PROMETHEUS=0 skips
+# both.
+missing=()
+{ command -v prometheus && command -v promtool; } >/dev/null || missing+=(prometheus)
+command -v stress-ng >/dev/null || missing+=(stress-ng)
+if [ "${LLUMNIX_WITH_PROMETHEUS:-1}" != 0 ] && [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
-    echo "[setup] prometheus not installed and no apt-get here: the tests that need it skip"
+    echo "[setup] ${missing[*]} not installed and no apt-get here: the tests that need prometheus skip"
   elif [ "$(id -u)" != 0 ] && ! sudo -n true 2>/dev/null; then
-    echo "[setup] prometheus not installed (apt-get needs root or passwordless sudo): the tests that need it skip"
+    echo "[setup] ${missing[*]} not installed (apt-get needs root or passwordless sudo): the tests that need prometheus skip"
   else
-    echo "[setup] installing Debian's prometheus (server + promtool)"
     SUDO=$([ "$(id -u)" = 0 ] || echo "sudo -n")
-    apt_install=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus)
-    "${apt_install[@]}" >/dev/null || { $SUDO apt-get update -q >/dev/null && "${apt_install[@]}" >/dev/null; } \
-      || echo "[setup] apt-get could not install prometheus: the tests that need it skip"
+    updated=0
+    for package in "${missing[@]}"; do  # one at a time: one that cannot install leaves the other
+      echo "[setup] installing Debian's $package"
+      apt_install=($SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$package")
+      "${apt_install[@]}" >/dev/null 2>&1 && continue
+      [ $updated = 1 ] || { $SUDO apt-get update -q >/dev/null || true; updated=1; }
+      "${apt_install[@]}" >/dev/null || echo "[setup] apt-get could not install $package"
+    done
   fi
 fi
 
