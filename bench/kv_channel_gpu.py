@@ -156,8 +156,8 @@ def measure_channel(
     longest length connects and allocates what later moves of that length reuse (host buffers come from
     torch's process-wide caching host allocator, page-locked on CUDA, and a cached buffer serves only a
     request of its own size class: on a VM's fresh memory a first allocation costs more than the move);
-    its time is in the outcome. The moves run in a thread joined
-    with `budget_s`, so a channel that hangs (NCCL on one device can) is reported."""
+    its time is in the outcome. The moves run in a thread joined with `budget_s`, so a channel that
+    hangs (NCCL on one device can) is reported."""
     rows: list[dict[str, Any]] = []
     outcome: list[str] = []
 

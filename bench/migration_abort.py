@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from migration_downtime import MODELS, REPO, Node, _body, _prompt
+from migration_downtime import MODELS, REPO, Node, completion_body, prompt_ids
 from tqdm import tqdm
 
 from llumnix.launch.pair import EnginePair, PairConfig
@@ -66,7 +66,7 @@ async def _trial(source: Node, config: dict[str, Any], work: Path, index: int, k
     await pair.start()
     destination = Node(pair)
     request_id = f"abort-{index}-{time.monotonic_ns()}"
-    body = _body(_prompt(index, PROMPT_TOKENS, vocab), MAX_TOKENS)
+    body = completion_body(prompt_ids(index, PROMPT_TOKENS, vocab), MAX_TOKENS)
     call = source.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
                                                   body_json=json.dumps(body)))
     tokens = 0

@@ -109,12 +109,12 @@ class Node:
         await self.pair.llumlet.wait_ready(60)
 
 
-def _prompt(seed: int, length: int, vocab: int) -> list[int]:
+def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
     # Ids the tiny tokenizers know (bytes and early merges), varied so no two prompts share a prefix.
     return [(seed * 7919 + i * 104729) % (min(vocab, 400) - 10) + 10 for i in range(length)]
 
 
-def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def completion_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
@@ -149,7 +149,7 @@ async def _migrate_once(source: Node, destination: Node, length: int, seed: int,
     """Starts a request of `length - DECODE_BEFORE_MOVE` prompt tokens on the source, moves it after
     DECODE_BEFORE_MOVE tokens and lets it finish at the destination; also its mean step time there."""
     request_id = f"bench-{length}-{seed}-{time.monotonic_ns()}"
-    body = _body(_prompt(seed, length - DECODE_BEFORE_MOVE, vocab),
+    body = completion_body(prompt_ids(seed, length - DECODE_BEFORE_MOVE, vocab),
                  DECODE_BEFORE_MOVE + DECODE_AFTER_MOVE + HEADROOM)
     call = source.api.Generate(pb.GenerateRequest(request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION,
                                                   body_json=json.dumps(body)))
@@ -189,7 +189,7 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
     step time at the destination. The result is the last attempt's, committed or not."""
     ticker = Ticker()
     other_id = f"other-{length}-{seed}"
-    other_body = _body(_prompt(seed + 9, 64, vocab), other_tokens)
+    other_body = completion_body(prompt_ids(seed + 9, 64, vocab), other_tokens)
     other = asyncio.create_task(ticker.run(source, other_id, other_body))
     await asyncio.sleep(1.0)
     try:
@@ -210,7 +210,7 @@ async def _migrate_beside_other(source: Node, destination: Node, length: int, se
 async def _recompute_ms(session: aiohttp.ClientSession, node: Node, length: int, seed: int,
                         vocab: int) -> float:
     """Time to the first token of a fresh prompt of `length` tokens (no KV, no prefix cache)."""
-    body = {**_body(_prompt(seed + 50_000, length, vocab), 1), "stream": True}
+    body = {**completion_body(prompt_ids(seed + 50_000, length, vocab), 1), "stream": True}
     started = time.perf_counter()
     async with session.post(node.pair.engine_url + "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -236,7 +236,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
     """`count` migrations in a row of requests of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
     while another request decodes on each engine."""
     other_ids = [f"soak-other-{i}" for i in range(2)]
-    others = [asyncio.create_task(Ticker().run(node, other_id, _body(_prompt(900 + i, 64, vocab),
+    others = [asyncio.create_task(Ticker().run(node, other_id, completion_body(prompt_ids(900 + i, 64, vocab),
                                                                        other_tokens)))
               for i, (node, other_id) in enumerate(zip((a, b), other_ids, strict=True))]
     here, there = a, b
@@ -246,7 +246,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
 
     def start(node: Node, serial: int) -> tuple[str, Any]:
         request_id = f"soak-{serial}-{time.monotonic_ns()}"
-        body = _body(_prompt(4242 + serial, SOAK_PROMPT, vocab), SOAK_REFRESH_TOKENS + HEADROOM)
+        body = completion_body(prompt_ids(4242 + serial, SOAK_PROMPT, vocab), SOAK_REFRESH_TOKENS + HEADROOM)
         return request_id, node.api.Generate(pb.GenerateRequest(
             request_id=request_id, endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))
 

@@ -32,7 +32,6 @@ class StagedKV:
 
     migration_id: str
     num_tokens: int
-    bytes_per_block: int
     block_data: dict[int, Any]
 
     def parts(self, first: int, last: int) -> list[Any]:
@@ -42,20 +41,6 @@ class StagedKV:
         if missing:
             raise KeyError(f"migration {self.migration_id}: blocks {missing} were never staged")
         return [self.block_data[index] for index in range(first, last)]
-
-    def blocks(self, first: int, last: int) -> Any:
-        """Blocks [first, last) as one contiguous buffer (a bytearray; a tensor for device payloads),
-        ready for `KVBlockCopier.copy_in` once viewed as its layout. KeyError names a missing block."""
-        parts = self.parts(first, last)
-        if parts and not isinstance(parts[0], memoryview):
-            import torch  # device payloads (NCCL) are tensors; torch is loaded wherever those exist
-
-            return torch.cat(parts)
-        buffer = bytearray(self.bytes_per_block * (last - first))
-        for offset, part in enumerate(parts):
-            start = offset * self.bytes_per_block
-            buffer[start:start + self.bytes_per_block] = part
-        return buffer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -133,7 +118,7 @@ class StagingStore:
         if entry is None:
             return None
         self.report()
-        return StagedKV(migration_id, entry.num_tokens, self.bytes_per_block, entry.blocks)
+        return StagedKV(migration_id, entry.num_tokens, entry.blocks)
 
     def drop(self, migration_id: str) -> bool:
         with self._lock:

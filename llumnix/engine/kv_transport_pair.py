@@ -45,6 +45,11 @@ PAIR_BACKENDS = ("gloo", "nccl")
 RECEIVER_RANK, SENDER_RANK = 0, 1
 
 
+def is_cuda(device: Any) -> bool:
+    """Whether `device` (a torch.device, a name such as "cuda:1", or None) is a CUDA device."""
+    return device is not None and str(getattr(device, "type", device)).startswith("cuda")
+
+
 class PairCommunicator(Protocol):
     """Two ranks, point to point, flat uint8 tensors on the pair's device."""
 
@@ -195,10 +200,6 @@ class PairKVSender(KVSender):
     def close(self) -> None:
         with self._lock:
             self._drop("closed")
-
-
-def is_cuda(device: Any) -> bool:
-    return device is not None and str(getattr(device, "type", device)).startswith("cuda")
 
 
 class KVStageReceiver(TcpKVReceiver):

@@ -267,7 +267,7 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     num_tokens = staged.num_tokens
     assert num_tokens == finals[0] == len(token_ids) - 1  # the newest sampled token has no KV yet
     blocks = math.ceil(num_tokens / BLOCK_SIZE)
-    raw = torch.frombuffer(staged.blocks(0, blocks), dtype=torch.uint8)
+    raw = torch.cat([torch.frombuffer(part, dtype=torch.uint8) for part in staged.parts(0, blocks)])
     # Block-major on the wire: [blocks, layers, kernel blocks per block (1 here), kv_heads, block_tokens,
     # content].
     buffer = raw.view(torch.float32).reshape(blocks, 2, 1, 2, BLOCK_SIZE, 64)

@@ -90,11 +90,8 @@ def test_stages_travel_from_one_cache_into_another(rendezvous, transport: str) -
     assert _held(events) == (0, 0, 0)
     staging.close()
     assert staged is not None and staged.num_tokens == 10
-    raw = staged.blocks(0, 3)  # bytes over tcp, a CPU tensor over gloo
-    flat = raw if isinstance(raw, torch.Tensor) else torch.frombuffer(raw, dtype=torch.uint8)
-    buffer = flat.view(torch.float32)
     destination_blocks = [12, 0, 5]
-    target.copy_in_block_major(destination_blocks, buffer.reshape(target.block_major_shape(3)))
+    target.copy_in_parts(destination_blocks, staged.parts(0, 3))  # bytes over tcp, CPU tensors over gloo
     assert torch.equal(target.copy_out(destination_blocks), source.copy_out(request_blocks))
 
 

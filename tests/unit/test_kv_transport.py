@@ -12,7 +12,7 @@ import torch
 from waiting import wait_until_sync
 
 from llumnix.engine.handshake import migration_key, new_kv_secret
-from llumnix.engine.kv_staging import StagingStore
+from llumnix.engine.kv_staging import StagedKV, StagingStore
 from llumnix.engine.kv_transport import (
     KV_FRAME_SCHEMA_VERSION,
     KVTransportError,
@@ -53,6 +53,12 @@ def _blocks(*fills: int) -> bytes:
     return b"".join(bytes([fill]) * BLOCK for fill in fills)
 
 
+def _staged(staged: StagedKV, first: int, last: int) -> bytes:
+    """The bytes of staged blocks [first, last), whatever held them (bytes over tcp, tensors otherwise)."""
+    return b"".join(bytes(part.cpu().numpy()) if isinstance(part, torch.Tensor) else bytes(part)
+                    for part in staged.parts(first, last))
+
+
 def test_frame_and_ack_round_trip_over_a_socket_pair() -> None:
     left, right = socket.socketpair()
     payload = memoryview(bytearray(_blocks(1, 2, 3)))
@@ -75,17 +81,17 @@ def test_addresses() -> None:
         parse_tcp_address("ipc:///x")
 
 
-def test_staging_keeps_the_newest_copy_of_each_block_and_gives_contiguous_buffers() -> None:
+def test_staging_keeps_the_newest_copy_of_each_block_and_gives_them_back_by_index() -> None:
     store = StagingStore(BLOCK, "float32", lease_s=30)
     store.put(_header("m", 1, 0, 2, 40), _blocks(1, 2))  # block 1 partial
     store.put(_header("m", 2, 1, 2, 90), _blocks(5, 6))  # block 1 re-sent full, block 2 partial
     assert store.staged_tokens("m") == 90 and store.bytes_held == 3 * BLOCK
     staged = store.take("m")
     assert staged is not None and staged.num_tokens == 90
-    assert bytes(staged.blocks(0, 3)) == _blocks(1, 5, 6)
-    assert bytes(staged.blocks(1, 2)) == _blocks(5)
+    assert _staged(staged, 0, 3) == _blocks(1, 5, 6)
+    assert _staged(staged, 1, 2) == _blocks(5)
     with pytest.raises(KeyError, match=r"\[3\]"):
-        staged.blocks(2, 4)
+        staged.parts(2, 4)
     assert store.take("m") is None and store.bytes_held == 0 and store.staged_tokens("m") == 0
 
 
@@ -168,7 +174,7 @@ def test_stages_over_tcp_land_in_staging_on_one_connection(receiver) -> None:
         sender.close()
     assert receiver.seen == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
     staged = receiver.staging.take("b")
-    assert staged.num_tokens == 64 and bytes(staged.blocks(0, 2)) == _blocks(1, 7)
+    assert staged.num_tokens == 64 and _staged(staged, 0, 2) == _blocks(1, 7)
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -343,7 +349,7 @@ def test_gloo_stages_go_over_the_pair_the_destination_opened(rendezvous, pair_re
         assert sender.send(_header("g", 4, 3, 0, 80), _tensor()).ok  # an empty stage
         staged = pair_receiver.staging.take("g")
         assert staged.num_tokens == 80
-        assert bytes(staged.blocks(0, 3).numpy()) == _blocks(3, 5, 6)
+        assert _staged(staged, 0, 3) == _blocks(3, 5, 6)
     finally:
         sender.close()
 
@@ -356,7 +362,7 @@ def test_every_migration_gets_a_channel_of_its_own(rendezvous, pair_receiver) ->
     try:
         for index, sender in enumerate(senders):
             assert sender.send(_header(f"m{index}", 1, 0, 1, 10), _tensor(index + 1)).ok
-        assert bytes(pair_receiver.staging.take("m1").blocks(0, 1).numpy()) == _blocks(2)
+        assert _staged(pair_receiver.staging.take("m1"), 0, 1) == _blocks(2)
     finally:
         for sender in senders:
             sender.close()
@@ -429,9 +435,8 @@ def test_nccl_stages_land_in_device_staging(rendezvous) -> None:
             sender.send(_header("g", 3, 0, 1, 1, dtype="float16"), torch.zeros(BLOCK, dtype=torch.uint8,
                                                                            device="cuda:0"))
         staged = staging.take("g")
-        blocks = staged.blocks(0, 3)
-        assert blocks.device.index == 1 and staged.num_tokens == 80
-        assert blocks.cpu().tolist() == [3] * BLOCK + [9] * 2 * BLOCK
+        assert all(part.device.index == 1 for part in staged.parts(0, 3)) and staged.num_tokens == 80
+        assert _staged(staged, 0, 3) == _blocks(3, 9, 9)
     finally:
         sender.close()
         receiver.close()
@@ -451,9 +456,9 @@ def test_a_cuda_engine_stages_host_payloads_in_page_locked_memory(rendezvous, ba
     try:
         payload = _tensor(7, 8) if backend == "gloo" else memoryview(bytearray(_blocks(7, 8)))
         assert sender.send(_header("p", 1, 0, 2, 40), payload).ok
-        parts = staging.take("p").parts(0, 2)
-        assert all(isinstance(part, torch.Tensor) and part.is_pinned() for part in parts)
-        assert b"".join(bytes(part.numpy()) for part in parts) == _blocks(7, 8)
+        staged = staging.take("p")
+        assert all(isinstance(part, torch.Tensor) and part.is_pinned() for part in staged.parts(0, 2))
+        assert _staged(staged, 0, 2) == _blocks(7, 8)
     finally:
         sender.close()
         receiver.close()
