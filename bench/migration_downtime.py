@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +229,7 @@ def _median(values: list[float]) -> float:
 class Soak:
     migrations: int
     outcomes: dict[str, int]
-    downtime_ms: list[float]
-    duration_ms: list[float]
+    committed: list[mpb.MigrateOutResponse]
 
 
 async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> Soak:
@@ -241,8 +241,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
               for i, (node, other_id) in enumerate(zip((a, b), other_ids, strict=True))]
     here, there = a, b
     outcomes: Counter[str] = Counter()
-    downtime: list[float] = []
-    duration: list[float] = []
+    committed: list[mpb.MigrateOutResponse] = []
 
     def start(node: Node, serial: int) -> tuple[str, Any]:
         request_id = f"soak-{serial}-{time.monotonic_ns()}"
@@ -274,8 +273,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
                 tqdm.write(f"soak: {mpb.MigrationOutcome.Name(result.outcome)} ({result.reason})")
                 tokens = SOAK_REFRESH_TOKENS  # a fresh request next
                 continue
-            downtime.append(result.downtime_ms)
-            duration.append(result.duration_ms)
+            committed.append(result)
             async for message in call:  # the rest of the stream up to Moved
                 tokens += len(message.chunk.token_ids)
             here, there = there, here
@@ -286,7 +284,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
         for node, other_id in zip((a, b), other_ids, strict=True):
             await node.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(*others, return_exceptions=True)
-    return Soak(count, dict(outcomes), downtime, duration)
+    return Soak(count, dict(outcomes), committed)
 
 
 async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak | None, TinyModelRecipe]:
@@ -361,12 +359,22 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
     return rows, soak, recipe
 
 
-def soak_report(soak: Soak) -> str:
+# The downtime's parts, each a function of one committed migration's answer.
+DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float]] = {
+    "final stage (source: stop -> last blocks sent)": lambda r: r.final_stage_ms,
+    "Commit at the destination (received -> first token)": lambda r: r.destination_first_token_ms,
+    "Commit's way there and back": lambda r: r.commit_ms - r.destination_first_token_ms,
+}
+
+
+def soak_report(soak: Soak, worst: int = 3) -> str:
     def figures(values: list[float]) -> str:
         return (f"{_median(values):.1f} / {percentile(values, 0.99):.1f} / "
                 f"{max(values, default=float('nan')):.1f}")
 
+    downtime = [r.downtime_ms for r in soak.committed]
     outcomes = ", ".join(f"{name} {count}" for name, count in sorted(soak.outcomes.items()))
+    slowest = sorted(soak.committed, key=lambda r: r.downtime_ms, reverse=True)[:worst]
     return "\n".join([
         f"{soak.migrations} migrations in a row of requests of {SOAK_PROMPT}-"
         f"{SOAK_PROMPT + SOAK_REFRESH_TOKENS} tokens, {SOAK_HOP_TOKENS} tokens apart, another request "
@@ -375,8 +383,16 @@ def soak_report(soak: Soak) -> str:
         "| committed | downtime ms (median / P99 / max) | pair -> commit ms (median / P99 / max) "
         "| over 1 s |",
         "|---:|---:|---:|---:|",
-        f"| {len(soak.downtime_ms)} | {figures(soak.downtime_ms)} | {figures(soak.duration_ms)} | "
-        f"{sum(d > 1000 for d in soak.downtime_ms)} |",
+        f"| {len(downtime)} | {figures(downtime)} | {figures([r.duration_ms for r in soak.committed])} | "
+        f"{sum(d > 1000 for d in downtime)} |",
+        "",
+        f"The downtime's parts, ms (median / P99 / max; then the {worst} longest downtimes):",
+        "",
+        "| part | median / P99 / max | " + " | ".join(f"{r.downtime_ms:.0f} ms" for r in slowest) + " |",
+        "|---|---:|" + "---:|" * len(slowest),
+        *(f"| {name} | {figures([part(r) for r in soak.committed])} | "
+          + " | ".join(f"{part(r):.1f}" for r in slowest) + " |"
+          for name, part in DOWNTIME_PARTS.items()),
     ])
 
 

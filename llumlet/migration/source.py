@@ -85,6 +85,8 @@ class _Progress:
     """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
     commit_ms: float = 0.0
     """Downtime in Commit (the destination's admission, KV load and first step)."""
+    destination_first_token_ms: float = 0.0
+    """Of commit_ms, the destination's own measure: Commit received -> its first token."""
     transport: str = ""
     """The KV channel the destination chose."""
 
@@ -212,12 +214,16 @@ class Source:
             "bytes": progress.bytes, "staged_tokens": progress.staged_tokens,
             "downtime_ms": round(progress.downtime_ms, 2),
             "final_stage_ms": round(progress.final_stage_ms, 2),
-            "commit_ms": round(progress.commit_ms, 2), "stages_ms": round(progress.stages_ms, 2),
+            "commit_ms": round(progress.commit_ms, 2),
+            "destination_first_token_ms": round(progress.destination_first_token_ms, 2),
+            "stages_ms": round(progress.stages_ms, 2),
             "send_ms": round(progress.send_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
         return mpb.MigrateOutResponse(
             outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
             stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
-            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport)
+            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport,
+            final_stage_ms=progress.final_stage_ms, commit_ms=progress.commit_ms,
+            destination_first_token_ms=progress.destination_first_token_ms)
 
     async def _run(self, progress: _Progress, request: mpb.MigrateOutRequest,
                    events: asyncio.Queue[MigrationEvent]) -> None:
@@ -400,6 +406,7 @@ class Source:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the commit failed: {exc.code().name} {exc.details()}") from None
         progress.commit_ms = (time.monotonic() - sent_at) * 1e3
+        progress.destination_first_token_ms = committed.first_token_ms
         if not committed.ok:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the destination failed: {committed.reason}")

@@ -52,7 +52,7 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, destination_instance_id: _Optional[str] = ..., destination_address: _Optional[str] = ..., request_id: _Optional[str] = ..., select: _Optional[_Union[MigrationSelect, str]] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport")
+    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport", "final_stage_ms", "commit_ms", "destination_first_token_ms")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,9 @@ class MigrateOutResponse(_message.Message):
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     outcome: MigrationOutcome
     migration_id: str
     request_id: str
@@ -73,7 +76,10 @@ class MigrateOutResponse(_message.Message):
     downtime_ms: float
     duration_ms: float
     transport: str
-    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+    final_stage_ms: float
+    commit_ms: float
+    destination_first_token_ms: float
+    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ..., final_stage_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., destination_first_token_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "source_instance_id", "source_address", "request_id", "endpoint", "body_json", "priority", "prompt_tokens", "output_tokens", "blocks", "handshake_json", "lease_ms", "transport")
