@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 import grpc
 from bench_stats import percentile
+from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
 from llumnix.launch.llumlet_process import LlumletProcess
@@ -361,7 +362,10 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
 
 # The downtime's parts, each a function of one committed migration's answer.
 DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float]] = {
-    "final stage (source: stop -> last blocks sent)": lambda r: r.final_stage_ms,
+    "final stage: the abort into the source engine, the step it waits for":
+        lambda r: r.final_stage_ms - r.final_stage_kv_ms - r.final_stage_event_ms,
+    "final stage: the last blocks' copy and send": lambda r: r.final_stage_kv_ms,
+    "final stage: the engine's event to the source llumlet": lambda r: r.final_stage_event_ms,
     "Commit at the destination (received -> first token)": lambda r: r.destination_first_token_ms,
     "Commit's way there and back": lambda r: r.commit_ms - r.destination_first_token_ms,
 }
@@ -486,7 +490,9 @@ def main() -> int:
         print("\n" + soak_text)
         (args.out / f"migration_soak_{name}.md").write_text(soak_text + "\n")
         (args.out / f"migration_soak_{name}.json").write_text(
-            json.dumps(dataclasses.asdict(soak), indent=2) + "\n")
+            json.dumps({"migrations": soak.migrations, "outcomes": soak.outcomes,
+                        "committed": [MessageToDict(r, preserving_proto_field_name=True)
+                                      for r in soak.committed]}, indent=2) + "\n")
     (args.out / f"migration_downtime_{name}.md").write_text(text + "\n")
     (args.out / f"migration_downtime_{name}.json").write_text(
         json.dumps([dataclasses.asdict(r) for r in rows], indent=2) + "\n")

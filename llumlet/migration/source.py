@@ -83,6 +83,10 @@ class _Progress:
     downtime_ms: float = 0.0
     final_stage_ms: float = 0.0
     """Downtime until the final stage was sent (the engine's abort, the last blocks' copy and send)."""
+    final_stage_kv_ms: float = 0.0
+    """Of final_stage_ms, the engine's copy and send of the last blocks."""
+    final_stage_event_ms: float = 0.0
+    """Of final_stage_ms, the final STAGE_SENT event's way from the engine to this llumlet."""
     commit_ms: float = 0.0
     """Downtime in Commit (the destination's admission, KV load and first step)."""
     destination_first_token_ms: float = 0.0
@@ -214,6 +218,8 @@ class Source:
             "bytes": progress.bytes, "staged_tokens": progress.staged_tokens,
             "downtime_ms": round(progress.downtime_ms, 2),
             "final_stage_ms": round(progress.final_stage_ms, 2),
+            "final_stage_kv_ms": round(progress.final_stage_kv_ms, 2),
+            "final_stage_event_ms": round(progress.final_stage_event_ms, 2),
             "commit_ms": round(progress.commit_ms, 2),
             "destination_first_token_ms": round(progress.destination_first_token_ms, 2),
             "stages_ms": round(progress.stages_ms, 2),
@@ -222,7 +228,8 @@ class Source:
             outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
             stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
             downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport,
-            final_stage_ms=progress.final_stage_ms, commit_ms=progress.commit_ms,
+            final_stage_ms=progress.final_stage_ms, final_stage_kv_ms=progress.final_stage_kv_ms,
+            final_stage_event_ms=progress.final_stage_event_ms, commit_ms=progress.commit_ms,
             destination_first_token_ms=progress.destination_first_token_ms)
 
     async def _run(self, progress: _Progress, request: mpb.MigrateOutRequest,
@@ -391,6 +398,9 @@ class Source:
         event = await self._stage_sent(progress, events, final=True)
         sent_at = time.monotonic()
         progress.final_stage_ms = (sent_at - stopped_at) * 1e3
+        progress.final_stage_kv_ms = event.copy_ms + event.send_ms
+        # The engine stamps the event with the wall clock; it runs beside this llumlet (one pod).
+        progress.final_stage_event_ms = max(0.0, (time.time() - event.timestamp) * 1e3)
         progress.stages += 1
         progress.bytes += event.bytes
         record = progress.record

@@ -52,7 +52,7 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, destination_instance_id: _Optional[str] = ..., destination_address: _Optional[str] = ..., request_id: _Optional[str] = ..., select: _Optional[_Union[MigrationSelect, str]] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport", "final_stage_ms", "commit_ms", "destination_first_token_ms")
+    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport", "final_stage_ms", "final_stage_kv_ms", "final_stage_event_ms", "commit_ms", "destination_first_token_ms")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class MigrateOutResponse(_message.Message):
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FINAL_STAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STAGE_KV_MS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_STAGE_EVENT_MS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     outcome: MigrationOutcome
@@ -77,9 +79,11 @@ class MigrateOutResponse(_message.Message):
     duration_ms: float
     transport: str
     final_stage_ms: float
+    final_stage_kv_ms: float
+    final_stage_event_ms: float
     commit_ms: float
     destination_first_token_ms: float
-    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ..., final_stage_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., destination_first_token_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ..., final_stage_ms: _Optional[float] = ..., final_stage_kv_ms: _Optional[float] = ..., final_stage_event_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., destination_first_token_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "source_instance_id", "source_address", "request_id", "endpoint", "body_json", "priority", "prompt_tokens", "output_tokens", "blocks", "handshake_json", "lease_ms", "transport")
