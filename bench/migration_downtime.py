@@ -360,14 +360,25 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
     return rows, soak, recipe
 
 
-# The downtime's parts, each a function of one committed migration's answer.
-DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float]] = {
+def _loaded(r: mpb.MigrateOutResponse) -> bool:
+    """Whether the destination saw its engine's LOADED event by the first token (the split below)."""
+    return r.destination_admitted_ms > 0 or r.destination_kv_load_ms > 0
+
+
+# The downtime's parts, each a function of one committed migration's answer (None: not measured).
+DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float | None]] = {
     "final stage: the abort into the source engine, the step it waits for":
         lambda r: r.final_stage_ms - r.final_stage_kv_ms - r.final_stage_event_ms,
     "final stage: the last blocks' copy and send": lambda r: r.final_stage_kv_ms,
     "final stage: the engine's event to the source llumlet": lambda r: r.final_stage_event_ms,
-    "Commit at the destination (received -> first token)": lambda r: r.destination_first_token_ms,
     "Commit's way there and back": lambda r: r.commit_ms - r.destination_first_token_ms,
+    "destination: resubmission, input processing, scheduling":
+        lambda r: r.destination_admitted_ms if _loaded(r) else None,
+    "destination: the staged KV's load": lambda r: r.destination_kv_load_ms if _loaded(r) else None,
+    "destination: the first step, the token's way to the llumlet":
+        lambda r: (r.destination_first_token_ms - r.destination_admitted_ms - r.destination_kv_load_ms
+                   if _loaded(r) else None),
+    "destination: all (Commit received -> first token)": lambda r: r.destination_first_token_ms,
 }
 
 
@@ -394,8 +405,8 @@ def soak_report(soak: Soak, worst: int = 3) -> str:
         "",
         "| part | median / P99 / max | " + " | ".join(f"{r.downtime_ms:.0f} ms" for r in slowest) + " |",
         "|---|---:|" + "---:|" * len(slowest),
-        *(f"| {name} | {figures([part(r) for r in soak.committed])} | "
-          + " | ".join(f"{part(r):.1f}" for r in slowest) + " |"
+        *(f"| {name} | {figures([v for r in soak.committed if (v := part(r)) is not None])} | "
+          + " | ".join("-" if (v := part(r)) is None else f"{v:.1f}" for r in slowest) + " |"
           for name, part in DOWNTIME_PARTS.items()),
     ])
 

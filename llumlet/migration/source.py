@@ -91,6 +91,9 @@ class _Progress:
     """Downtime in Commit (the destination's admission, KV load and first step)."""
     destination_first_token_ms: float = 0.0
     """Of commit_ms, the destination's own measure: Commit received -> its first token."""
+    destination_admitted_ms: float = 0.0
+    destination_kv_load_ms: float = 0.0
+    """Of destination_first_token_ms: until its engine began loading the staged KV, and the load."""
     transport: str = ""
     """The KV channel the destination chose."""
 
@@ -222,6 +225,8 @@ class Source:
             "final_stage_event_ms": round(progress.final_stage_event_ms, 2),
             "commit_ms": round(progress.commit_ms, 2),
             "destination_first_token_ms": round(progress.destination_first_token_ms, 2),
+            "destination_admitted_ms": round(progress.destination_admitted_ms, 2),
+            "destination_kv_load_ms": round(progress.destination_kv_load_ms, 2),
             "stages_ms": round(progress.stages_ms, 2),
             "send_ms": round(progress.send_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
         return mpb.MigrateOutResponse(
@@ -230,7 +235,9 @@ class Source:
             downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport,
             final_stage_ms=progress.final_stage_ms, final_stage_kv_ms=progress.final_stage_kv_ms,
             final_stage_event_ms=progress.final_stage_event_ms, commit_ms=progress.commit_ms,
-            destination_first_token_ms=progress.destination_first_token_ms)
+            destination_first_token_ms=progress.destination_first_token_ms,
+            destination_admitted_ms=progress.destination_admitted_ms,
+            destination_kv_load_ms=progress.destination_kv_load_ms)
 
     async def _run(self, progress: _Progress, request: mpb.MigrateOutRequest,
                    events: asyncio.Queue[MigrationEvent]) -> None:
@@ -417,6 +424,8 @@ class Source:
                                   f"the commit failed: {exc.code().name} {exc.details()}") from None
         progress.commit_ms = (time.monotonic() - sent_at) * 1e3
         progress.destination_first_token_ms = committed.first_token_ms
+        progress.destination_admitted_ms = committed.admitted_ms
+        progress.destination_kv_load_ms = committed.kv_load_ms
         if not committed.ok:
             raise MigrationFailed(mpb.MIGRATION_OUTCOME_ABORTED,
                                   f"the destination failed: {committed.reason}")

@@ -26,37 +26,37 @@ from llumnix.v1 import kv_transfer_pb2 as llumnix_dot_v1_dot_kv__transfer__pb2
 from llumnix.v1 import llumlet_pb2 as llumnix_dot_v1_dot_llumlet__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allumnix/v1/migration.proto\x12\nllumnix.v1\x1a\x1cllumnix/v1/kv_transfer.proto\x1a\x18llumnix/v1/llumlet.proto\"\x92\x01\n\x11MigrateOutRequest\x12\x1f\n\x17\x64\x65stination_instance_id\x18\x01 \x01(\t\x12\x1b\n\x13\x64\x65stination_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x06select\x18\x04 \x01(\x0e\x32\x1b.llumnix.v1.MigrationSelect\"\xfa\x02\n\x12MigrateOutResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.llumnix.v1.MigrationOutcome\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06stages\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x17\n\x0fmigrated_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x64owntime_ms\x18\x08 \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\t \x01(\x01\x12\x11\n\ttransport\x18\n \x01(\t\x12\x16\n\x0e\x66inal_stage_ms\x18\x0b \x01(\x01\x12\x19\n\x11\x66inal_stage_kv_ms\x18\x0e \x01(\x01\x12\x1c\n\x14\x66inal_stage_event_ms\x18\x0f \x01(\x01\x12\x11\n\tcommit_ms\x18\x0c \x01(\x01\x12\"\n\x1a\x64\x65stination_first_token_ms\x18\r \x01(\x01\"\xd5\x02\n\x17ProposeMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12&\n\x08\x65ndpoint\x18\x05 \x01(\x0e\x32\x14.llumnix.v1.Endpoint\x12\x11\n\tbody_json\x18\x06 \x01(\t\x12&\n\x08priority\x18\x07 \x01(\x0e\x32\x14.llumnix.v1.Priority\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06\x62locks\x18\n \x01(\r\x12\x16\n\x0ehandshake_json\x18\x0b \x01(\t\x12\x10\n\x08lease_ms\x18\x0c \x01(\r\x12\x11\n\ttransport\x18\r \x01(\t\"\xca\x01\n\x18ProposeMigrationResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12&\n\x07\x63hannel\x18\x07 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\x12\x0e\n\x06kv_key\x18\x08 \x01(\x0cJ\x04\x08\x05\x10\x06R\x15transport_params_json\"T\n\x15RenewMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x0e\n\x06stages\x18\x02 \x01(\r\x12\x15\n\rstaged_tokens\x18\x03 \x01(\r\"4\n\x16RenewMigrationResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x94\x01\n\x16\x43ommitMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x15\n\rstaged_tokens\x18\x04 \x01(\r\x12\x16\n\x0egenerated_text\x18\x05 \x01(\t\"M\n\x17\x43ommitMigrationResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\"=\n\x15\x41\x62ortMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"*\n\x16\x41\x62ortMigrationResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\x90\x01\n\x0fMigrationSelect\x12 \n\x1cMIGRATION_SELECT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMIGRATION_SELECT_LAST_COME\x10\x01\x12\x1d\n\x19MIGRATION_SELECT_SHORTEST\x10\x02\x12\x1c\n\x18MIGRATION_SELECT_LONGEST\x10\x03*\xa7\x02\n\x10MigrationOutcome\x12!\n\x1dMIGRATION_OUTCOME_UNSPECIFIED\x10\x00\x12\x1f\n\x1bMIGRATION_OUTCOME_COMMITTED\x10\x01\x12\x1d\n\x19MIGRATION_OUTCOME_REFUSED\x10\x02\x12\"\n\x1eMIGRATION_OUTCOME_NO_CANDIDATE\x10\x03\x12\x1a\n\x16MIGRATION_OUTCOME_BUSY\x10\x04\x12\x1d\n\x19MIGRATION_OUTCOME_ABORTED\x10\x05\x12(\n$MIGRATION_OUTCOME_FINISHED_ON_SOURCE\x10\x06\x12\'\n#MIGRATION_OUTCOME_RESUMED_ON_SOURCE\x10\x07\x32\xa8\x03\n\x10LlumletMigration\x12K\n\nMigrateOut\x12\x1d.llumnix.v1.MigrateOutRequest\x1a\x1e.llumnix.v1.MigrateOutResponse\x12T\n\x07Propose\x12#.llumnix.v1.ProposeMigrationRequest\x1a$.llumnix.v1.ProposeMigrationResponse\x12N\n\x05Renew\x12!.llumnix.v1.RenewMigrationRequest\x1a\".llumnix.v1.RenewMigrationResponse\x12Q\n\x06\x43ommit\x12\".llumnix.v1.CommitMigrationRequest\x1a#.llumnix.v1.CommitMigrationResponse\x12N\n\x05\x41\x62ort\x12!.llumnix.v1.AbortMigrationRequest\x1a\".llumnix.v1.AbortMigrationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allumnix/v1/migration.proto\x12\nllumnix.v1\x1a\x1cllumnix/v1/kv_transfer.proto\x1a\x18llumnix/v1/llumlet.proto\"\x92\x01\n\x11MigrateOutRequest\x12\x1f\n\x17\x64\x65stination_instance_id\x18\x01 \x01(\t\x12\x1b\n\x13\x64\x65stination_address\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x06select\x18\x04 \x01(\x0e\x32\x1b.llumnix.v1.MigrationSelect\"\xbb\x03\n\x12MigrateOutResponse\x12-\n\x07outcome\x18\x01 \x01(\x0e\x32\x1c.llumnix.v1.MigrationOutcome\x12\x14\n\x0cmigration_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0e\n\x06stages\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x17\n\x0fmigrated_tokens\x18\x07 \x01(\r\x12\x13\n\x0b\x64owntime_ms\x18\x08 \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\t \x01(\x01\x12\x11\n\ttransport\x18\n \x01(\t\x12\x16\n\x0e\x66inal_stage_ms\x18\x0b \x01(\x01\x12\x19\n\x11\x66inal_stage_kv_ms\x18\x0e \x01(\x01\x12\x1c\n\x14\x66inal_stage_event_ms\x18\x0f \x01(\x01\x12\x11\n\tcommit_ms\x18\x0c \x01(\x01\x12\"\n\x1a\x64\x65stination_first_token_ms\x18\r \x01(\x01\x12\x1f\n\x17\x64\x65stination_admitted_ms\x18\x10 \x01(\x01\x12\x1e\n\x16\x64\x65stination_kv_load_ms\x18\x11 \x01(\x01\"\xd5\x02\n\x17ProposeMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x16\n\x0esource_address\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12&\n\x08\x65ndpoint\x18\x05 \x01(\x0e\x32\x14.llumnix.v1.Endpoint\x12\x11\n\tbody_json\x18\x06 \x01(\t\x12&\n\x08priority\x18\x07 \x01(\x0e\x32\x14.llumnix.v1.Priority\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0e\n\x06\x62locks\x18\n \x01(\r\x12\x16\n\x0ehandshake_json\x18\x0b \x01(\t\x12\x10\n\x08lease_ms\x18\x0c \x01(\r\x12\x11\n\ttransport\x18\r \x01(\t\"\xca\x01\n\x18ProposeMigrationResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\x12&\n\x07\x63hannel\x18\x07 \x01(\x0b\x32\x15.llumnix.v1.KVChannel\x12\x0e\n\x06kv_key\x18\x08 \x01(\x0cJ\x04\x08\x05\x10\x06R\x15transport_params_json\"T\n\x15RenewMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x0e\n\x06stages\x18\x02 \x01(\r\x12\x15\n\rstaged_tokens\x18\x03 \x01(\r\"4\n\x16RenewMigrationResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x94\x01\n\x16\x43ommitMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x15\n\rstaged_tokens\x18\x04 \x01(\r\x12\x16\n\x0egenerated_text\x18\x05 \x01(\t\"v\n\x17\x43ommitMigrationResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_ms\x18\x03 \x01(\x01\x12\x13\n\x0b\x61\x64mitted_ms\x18\x04 \x01(\x01\x12\x12\n\nkv_load_ms\x18\x05 \x01(\x01\"=\n\x15\x41\x62ortMigrationRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"*\n\x16\x41\x62ortMigrationResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*\x90\x01\n\x0fMigrationSelect\x12 \n\x1cMIGRATION_SELECT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMIGRATION_SELECT_LAST_COME\x10\x01\x12\x1d\n\x19MIGRATION_SELECT_SHORTEST\x10\x02\x12\x1c\n\x18MIGRATION_SELECT_LONGEST\x10\x03*\xa7\x02\n\x10MigrationOutcome\x12!\n\x1dMIGRATION_OUTCOME_UNSPECIFIED\x10\x00\x12\x1f\n\x1bMIGRATION_OUTCOME_COMMITTED\x10\x01\x12\x1d\n\x19MIGRATION_OUTCOME_REFUSED\x10\x02\x12\"\n\x1eMIGRATION_OUTCOME_NO_CANDIDATE\x10\x03\x12\x1a\n\x16MIGRATION_OUTCOME_BUSY\x10\x04\x12\x1d\n\x19MIGRATION_OUTCOME_ABORTED\x10\x05\x12(\n$MIGRATION_OUTCOME_FINISHED_ON_SOURCE\x10\x06\x12\'\n#MIGRATION_OUTCOME_RESUMED_ON_SOURCE\x10\x07\x32\xa8\x03\n\x10LlumletMigration\x12K\n\nMigrateOut\x12\x1d.llumnix.v1.MigrateOutRequest\x1a\x1e.llumnix.v1.MigrateOutResponse\x12T\n\x07Propose\x12#.llumnix.v1.ProposeMigrationRequest\x1a$.llumnix.v1.ProposeMigrationResponse\x12N\n\x05Renew\x12!.llumnix.v1.RenewMigrationRequest\x1a\".llumnix.v1.RenewMigrationResponse\x12Q\n\x06\x43ommit\x12\".llumnix.v1.CommitMigrationRequest\x1a#.llumnix.v1.CommitMigrationResponse\x12N\n\x05\x41\x62ort\x12!.llumnix.v1.AbortMigrationRequest\x1a\".llumnix.v1.AbortMigrationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llumnix.v1.migration_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONSELECT']._serialized_start=1655
-  _globals['_MIGRATIONSELECT']._serialized_end=1799
-  _globals['_MIGRATIONOUTCOME']._serialized_start=1802
-  _globals['_MIGRATIONOUTCOME']._serialized_end=2097
+  _globals['_MIGRATIONSELECT']._serialized_start=1761
+  _globals['_MIGRATIONSELECT']._serialized_end=1905
+  _globals['_MIGRATIONOUTCOME']._serialized_start=1908
+  _globals['_MIGRATIONOUTCOME']._serialized_end=2203
   _globals['_MIGRATEOUTREQUEST']._serialized_start=99
   _globals['_MIGRATEOUTREQUEST']._serialized_end=245
   _globals['_MIGRATEOUTRESPONSE']._serialized_start=248
-  _globals['_MIGRATEOUTRESPONSE']._serialized_end=626
-  _globals['_PROPOSEMIGRATIONREQUEST']._serialized_start=629
-  _globals['_PROPOSEMIGRATIONREQUEST']._serialized_end=970
-  _globals['_PROPOSEMIGRATIONRESPONSE']._serialized_start=973
-  _globals['_PROPOSEMIGRATIONRESPONSE']._serialized_end=1175
-  _globals['_RENEWMIGRATIONREQUEST']._serialized_start=1177
-  _globals['_RENEWMIGRATIONREQUEST']._serialized_end=1261
-  _globals['_RENEWMIGRATIONRESPONSE']._serialized_start=1263
-  _globals['_RENEWMIGRATIONRESPONSE']._serialized_end=1315
-  _globals['_COMMITMIGRATIONREQUEST']._serialized_start=1318
-  _globals['_COMMITMIGRATIONREQUEST']._serialized_end=1466
-  _globals['_COMMITMIGRATIONRESPONSE']._serialized_start=1468
-  _globals['_COMMITMIGRATIONRESPONSE']._serialized_end=1545
-  _globals['_ABORTMIGRATIONREQUEST']._serialized_start=1547
-  _globals['_ABORTMIGRATIONREQUEST']._serialized_end=1608
-  _globals['_ABORTMIGRATIONRESPONSE']._serialized_start=1610
-  _globals['_ABORTMIGRATIONRESPONSE']._serialized_end=1652
-  _globals['_LLUMLETMIGRATION']._serialized_start=2100
-  _globals['_LLUMLETMIGRATION']._serialized_end=2524
+  _globals['_MIGRATEOUTRESPONSE']._serialized_end=691
+  _globals['_PROPOSEMIGRATIONREQUEST']._serialized_start=694
+  _globals['_PROPOSEMIGRATIONREQUEST']._serialized_end=1035
+  _globals['_PROPOSEMIGRATIONRESPONSE']._serialized_start=1038
+  _globals['_PROPOSEMIGRATIONRESPONSE']._serialized_end=1240
+  _globals['_RENEWMIGRATIONREQUEST']._serialized_start=1242
+  _globals['_RENEWMIGRATIONREQUEST']._serialized_end=1326
+  _globals['_RENEWMIGRATIONRESPONSE']._serialized_start=1328
+  _globals['_RENEWMIGRATIONRESPONSE']._serialized_end=1380
+  _globals['_COMMITMIGRATIONREQUEST']._serialized_start=1383
+  _globals['_COMMITMIGRATIONREQUEST']._serialized_end=1531
+  _globals['_COMMITMIGRATIONRESPONSE']._serialized_start=1533
+  _globals['_COMMITMIGRATIONRESPONSE']._serialized_end=1651
+  _globals['_ABORTMIGRATIONREQUEST']._serialized_start=1653
+  _globals['_ABORTMIGRATIONREQUEST']._serialized_end=1714
+  _globals['_ABORTMIGRATIONRESPONSE']._serialized_start=1716
+  _globals['_ABORTMIGRATIONRESPONSE']._serialized_end=1758
+  _globals['_LLUMLETMIGRATION']._serialized_start=2206
+  _globals['_LLUMLETMIGRATION']._serialized_end=2630
 # @@protoc_insertion_point(module_scope)

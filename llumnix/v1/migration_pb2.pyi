@@ -52,7 +52,7 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, destination_instance_id: _Optional[str] = ..., destination_address: _Optional[str] = ..., request_id: _Optional[str] = ..., select: _Optional[_Union[MigrationSelect, str]] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport", "final_stage_ms", "final_stage_kv_ms", "final_stage_event_ms", "commit_ms", "destination_first_token_ms")
+    __slots__ = ("outcome", "migration_id", "request_id", "reason", "stages", "bytes", "migrated_tokens", "downtime_ms", "duration_ms", "transport", "final_stage_ms", "final_stage_kv_ms", "final_stage_event_ms", "commit_ms", "destination_first_token_ms", "destination_admitted_ms", "destination_kv_load_ms")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class MigrateOutResponse(_message.Message):
     FINAL_STAGE_EVENT_MS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_ADMITTED_MS_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_KV_LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     outcome: MigrationOutcome
     migration_id: str
     request_id: str
@@ -83,7 +85,9 @@ class MigrateOutResponse(_message.Message):
     final_stage_event_ms: float
     commit_ms: float
     destination_first_token_ms: float
-    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ..., final_stage_ms: _Optional[float] = ..., final_stage_kv_ms: _Optional[float] = ..., final_stage_event_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., destination_first_token_ms: _Optional[float] = ...) -> None: ...
+    destination_admitted_ms: float
+    destination_kv_load_ms: float
+    def __init__(self, outcome: _Optional[_Union[MigrationOutcome, str]] = ..., migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., migrated_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ..., final_stage_ms: _Optional[float] = ..., final_stage_kv_ms: _Optional[float] = ..., final_stage_event_ms: _Optional[float] = ..., commit_ms: _Optional[float] = ..., destination_first_token_ms: _Optional[float] = ..., destination_admitted_ms: _Optional[float] = ..., destination_kv_load_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "source_instance_id", "source_address", "request_id", "endpoint", "body_json", "priority", "prompt_tokens", "output_tokens", "blocks", "handshake_json", "lease_ms", "transport")
@@ -166,14 +170,18 @@ class CommitMigrationRequest(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., staged_tokens: _Optional[int] = ..., generated_text: _Optional[str] = ...) -> None: ...
 
 class CommitMigrationResponse(_message.Message):
-    __slots__ = ("ok", "reason", "first_token_ms")
+    __slots__ = ("ok", "reason", "first_token_ms", "admitted_ms", "kv_load_ms")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     first_token_ms: float
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
+    admitted_ms: float
+    kv_load_ms: float
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., first_token_ms: _Optional[float] = ..., admitted_ms: _Optional[float] = ..., kv_load_ms: _Optional[float] = ...) -> None: ...
 
 class AbortMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "reason")

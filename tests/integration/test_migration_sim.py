@@ -164,6 +164,7 @@ async def test_migrated_request_continues_at_the_destination_with_the_same_token
     assert result.final_stage_ms > 0 and 0 < result.destination_first_token_ms < result.commit_ms
     assert result.final_stage_ms + result.commit_ms <= result.downtime_ms
     assert 0 < result.final_stage_kv_ms + result.final_stage_event_ms <= result.final_stage_ms
+    assert result.destination_admitted_ms + result.destination_kv_load_ms <= result.destination_first_token_ms
     await task
     assert stream.moved is not None and stream.moved.address == cluster.b.pair.grpc_address
     assert stream.moved.request_id == "m-1" and stream.moved.migration_id == result.migration_id

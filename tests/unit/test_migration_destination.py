@@ -29,7 +29,7 @@ from llumnix.engine.handshake import migration_key, new_kv_secret
 from llumnix.v1 import llumlet_pb2 as pb
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.engine_pb2 import EngineRequest, EngineSnapshot
-from llumnix.v1.kv_transfer_pb2 import KVChannel
+from llumnix.v1.kv_transfer_pb2 import MIGRATION_EVENT_KIND_LOADED, KVChannel, MigrationEvent
 
 HANDSHAKE = {"model": "m", "kv_dtype": "float32", "block_size": 16, "kv_layout": {"bytes_per_block": 64},
              "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "kv_address": "tcp://127.0.0.1:9",
@@ -42,6 +42,13 @@ class FakeLink:
         self.changed = asyncio.Event()
         self.opened: list[tuple[str, str]] = []
         self.open_refusal = ""
+        self.watched: dict[str, asyncio.Queue[MigrationEvent]] = {}
+
+    def watch(self, migration_id: str) -> asyncio.Queue[MigrationEvent]:
+        return self.watched.setdefault(migration_id, asyncio.Queue())
+
+    def unwatch(self, migration_id: str) -> None:
+        self.watched.pop(migration_id, None)
 
     async def open_channel(self, backend: str, migration_id: str) -> KVChannel:
         if self.open_refusal:
@@ -191,6 +198,9 @@ class _Clock:
     def monotonic(self) -> float:
         return self.now
 
+    def time(self) -> float:
+        return self.now
+
 
 async def test_leases_expire_unless_renewed(destination: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     node, link = destination
@@ -333,6 +343,42 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
         expiry.cancel()
         await asyncio.gather(expiry, return_exceptions=True)
         first_token.set()  # a stream still waiting for it then ends with its client
+        await node.admission.engine.close()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("loaded", [True, False])
+async def test_commit_answers_how_the_first_tokens_wait_split_at_the_engines_load(
+        destination: tuple, monkeypatch: pytest.MonkeyPatch, loaded: bool) -> None:
+    node, link = destination
+    clock = _Clock()
+    monkeypatch.setattr(destination_module, "time", clock)
+    first_token = asyncio.Event()
+    runner = await _slow_engine(first_token)
+    node.admission.engine = EngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        proposal = _proposal("m1", 4)
+        proposal.endpoint = pb.ENDPOINT_COMPLETION
+        assert (await node.propose(proposal)).accepted
+        commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
+            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
+        await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+        if loaded:  # the engine loaded the staged KV 30 ms after Commit arrived, in 5 ms
+            link.watched["m1"].put_nowait(MigrationEvent(
+                kind=MIGRATION_EVENT_KIND_LOADED, migration_id="m1", copy_ms=5.0,
+                timestamp=clock.now + 0.035))
+        clock.now += 0.050
+        first_token.set()
+        answer = await commit
+        assert answer.ok, answer.reason
+        assert answer.first_token_ms == pytest.approx(50.0)
+        if loaded:
+            assert (answer.admitted_ms, answer.kv_load_ms) == (pytest.approx(30.0), 5.0)
+        else:  # not seen by the first token: not split, never guessed
+            assert (answer.admitted_ms, answer.kv_load_ms) == (0.0, 0.0)
+        assert "m1" not in link.watched
+    finally:
+        first_token.set()
         await node.admission.engine.close()
         await runner.cleanup()
 
