@@ -231,12 +231,13 @@ class Soak:
     migrations: int
     outcomes: dict[str, int]
     committed: list[mpb.MigrateOutResponse]
+    background: bool
 
 
-async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> Soak:
+async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, background: bool) -> Soak:
     """`count` migrations in a row of requests of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
-    while another request decodes on each engine."""
-    other_ids = [f"soak-other-{i}" for i in range(2)]
+    while another request decodes on each engine (`background`)."""
+    other_ids = [f"soak-other-{i}" for i in range(2 if background else 0)]
     others = [asyncio.create_task(Ticker().run(node, other_id, completion_body(prompt_ids(900 + i, 64, vocab),
                                                                        other_tokens)))
               for i, (node, other_id) in enumerate(zip((a, b), other_ids, strict=True))]
@@ -285,7 +286,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int) -> 
         for node, other_id in zip((a, b), other_ids, strict=True):
             await node.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(*others, return_exceptions=True)
-    return Soak(count, dict(outcomes), committed)
+    return Soak(count, dict(outcomes), committed, background)
 
 
 async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak | None, TinyModelRecipe]:
@@ -329,7 +330,7 @@ async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak
                     recompute[length].append(await _recompute_ms(session, b, length, seed, recipe.vocab_size))
                     progress.update()
             if args.soak:
-                soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens)
+                soak = await _soak(a, b, args.soak, recipe.vocab_size, other_tokens, args.soak_background)
             await a.restart_llumlet(*transport, "--migration-max-stages", "0")
             for length in lengths:
                 for seed in range(args.repeats):
@@ -382,6 +383,12 @@ DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float | None]] = {
 }
 
 
+def _measured_in(part: Callable[[mpb.MigrateOutResponse], float | None],
+                 results: list[mpb.MigrateOutResponse]) -> str:
+    measured = sum(part(r) is not None for r in results)
+    return "" if measured == len(results) else f" ({measured} of {len(results)} measured)"
+
+
 def soak_report(soak: Soak, worst: int = 3) -> str:
     def figures(values: list[float]) -> str:
         return (f"{_median(values):.1f} / {percentile(values, 0.99):.1f} / "
@@ -392,8 +399,9 @@ def soak_report(soak: Soak, worst: int = 3) -> str:
     slowest = sorted(soak.committed, key=lambda r: r.downtime_ms, reverse=True)[:worst]
     return "\n".join([
         f"{soak.migrations} migrations in a row of requests of {SOAK_PROMPT}-"
-        f"{SOAK_PROMPT + SOAK_REFRESH_TOKENS} tokens, {SOAK_HOP_TOKENS} tokens apart, another request "
-        f"decoding on each engine: {outcomes}.",
+        f"{SOAK_PROMPT + SOAK_REFRESH_TOKENS} tokens, {SOAK_HOP_TOKENS} tokens apart, "
+        + ("another request decoding on each engine" if soak.background else "nothing else running")
+        + f": {outcomes}.",
         "",
         "| committed | downtime ms (median / P99 / max) | pair -> commit ms (median / P99 / max) "
         "| over 1 s |",
@@ -405,7 +413,8 @@ def soak_report(soak: Soak, worst: int = 3) -> str:
         "",
         "| part | median / P99 / max | " + " | ".join(f"{r.downtime_ms:.0f} ms" for r in slowest) + " |",
         "|---|---:|" + "---:|" * len(slowest),
-        *(f"| {name} | {figures([v for r in soak.committed if (v := part(r)) is not None])} | "
+        *(f"| {name}{_measured_in(part, soak.committed)} | "
+          f"{figures([v for r in soak.committed if (v := part(r)) is not None])} | "
           + " | ".join("-" if (v := part(r)) is None else f"{v:.1f}" for r in slowest) + " |"
           for name, part in DOWNTIME_PARTS.items()),
     ])
@@ -480,6 +489,9 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--soak", type=int, default=0, metavar="N",
                         help="then N migrations in a row of one request under background decoding (0: none)")
+    parser.add_argument("--soak-background", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep another request decoding on each engine during the soak (the target's "
+                        "setting); --no-soak-background shows what the engines' own decoding costs")
     parser.add_argument("--transport", choices=("auto", "tcp", "gloo", "nccl"), default="auto",
                         help="both llumlets' --migration-transport (the KV channel; auto: tcp on CPU); "
                              "the output files of another than auto are named _<transport>")
@@ -502,6 +514,7 @@ def main() -> int:
         (args.out / f"migration_soak_{name}.md").write_text(soak_text + "\n")
         (args.out / f"migration_soak_{name}.json").write_text(
             json.dumps({"migrations": soak.migrations, "outcomes": soak.outcomes,
+                        "background": soak.background,
                         "committed": [MessageToDict(r, preserving_proto_field_name=True)
                                       for r in soak.committed]}, indent=2) + "\n")
     (args.out / f"migration_downtime_{name}.md").write_text(text + "\n")
