@@ -240,7 +240,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, bac
     other_ids = [f"soak-other-{i}" for i in range(2 if background else 0)]
     others = [asyncio.create_task(Ticker().run(node, other_id, completion_body(prompt_ids(900 + i, 64, vocab),
                                                                        other_tokens)))
-              for i, (node, other_id) in enumerate(zip((a, b), other_ids, strict=True))]
+              for i, (node, other_id) in enumerate(zip((a, b)[:len(other_ids)], other_ids, strict=True))]
     here, there = a, b
     outcomes: Counter[str] = Counter()
     committed: list[mpb.MigrateOutResponse] = []
@@ -283,7 +283,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, bac
     finally:
         call.cancel()
         await here.api.Abort(pb.AbortRequest(request_id=request_id))
-        for node, other_id in zip((a, b), other_ids, strict=True):
+        for node, other_id in zip((a, b)[:len(other_ids)], other_ids, strict=True):
             await node.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(*others, return_exceptions=True)
     return Soak(count, dict(outcomes), committed, background)
