@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -232,15 +233,18 @@ class Soak:
     outcomes: dict[str, int]
     committed: list[mpb.MigrateOutResponse]
     background: bool
+    background_gaps_ms: list[float]
+    """Between two tokens of the background requests during the soak: the engines' own stalls."""
 
 
 async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, background: bool) -> Soak:
     """`count` migrations in a row of requests of SOAK_PROMPT tokens, SOAK_HOP_TOKENS tokens apart,
     while another request decodes on each engine (`background`)."""
     other_ids = [f"soak-other-{i}" for i in range(2 if background else 0)]
-    others = [asyncio.create_task(Ticker().run(node, other_id, completion_body(prompt_ids(900 + i, 64, vocab),
-                                                                       other_tokens)))
-              for i, (node, other_id) in enumerate(zip((a, b)[:len(other_ids)], other_ids, strict=True))]
+    tickers = [Ticker() for _ in other_ids]
+    others = [asyncio.create_task(ticker.run(node, other_id, completion_body(prompt_ids(900 + i, 64, vocab),
+                                                                             other_tokens)))
+              for i, (ticker, node, other_id) in enumerate(zip(tickers, (a, b), other_ids, strict=False))]
     here, there = a, b
     outcomes: Counter[str] = Counter()
     committed: list[mpb.MigrateOutResponse] = []
@@ -253,6 +257,7 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, bac
 
     serial = 0
     request_id, call = start(here, serial)
+    began = time.perf_counter()
     tokens = 0
     try:
         for _ in tqdm(range(count), desc="soak", unit="migration"):
@@ -281,12 +286,15 @@ async def _soak(a: Node, b: Node, count: int, vocab: int, other_tokens: int, bac
             here, there = there, here
             call = here.api.Generate(pb.GenerateRequest(request_id=request_id, attach=True))
     finally:
+        ended = time.perf_counter()
         call.cancel()
         await here.api.Abort(pb.AbortRequest(request_id=request_id))
-        for node, other_id in zip((a, b)[:len(other_ids)], other_ids, strict=True):
+        for node, other_id in zip((a, b), other_ids, strict=False):
             await node.api.Abort(pb.AbortRequest(request_id=other_id))
         await asyncio.gather(*others, return_exceptions=True)
-    return Soak(count, dict(outcomes), committed, background)
+    gaps = [1e3 * (t1 - t0) for ticker in tickers
+            for t0, t1 in itertools.pairwise(t for t in ticker.times if began <= t <= ended)]
+    return Soak(count, dict(outcomes), committed, background, gaps)
 
 
 async def measure(args: argparse.Namespace, work: Path) -> tuple[list[Row], Soak | None, TinyModelRecipe]:
@@ -409,6 +417,9 @@ def soak_report(soak: Soak, worst: int = 3) -> str:
         f"| {len(downtime)} | {figures(downtime)} | {figures([r.duration_ms for r in soak.committed])} | "
         f"{sum(d > 1000 for d in downtime)} |",
         "",
+        *([f"Meanwhile the background requests' gap between two tokens (each engine's own stalls), ms "
+           f"(median / P99 / max): {figures(soak.background_gaps_ms)}, over {len(soak.background_gaps_ms)} "
+           "gaps.", ""] if soak.background_gaps_ms else []),
         f"The downtime's parts, ms (median / P99 / max; then the {worst} longest downtimes):",
         "",
         "| part | median / P99 / max | " + " | ".join(f"{r.downtime_ms:.0f} ms" for r in slowest) + " |",
@@ -514,7 +525,7 @@ def main() -> int:
         (args.out / f"migration_soak_{name}.md").write_text(soak_text + "\n")
         (args.out / f"migration_soak_{name}.json").write_text(
             json.dumps({"migrations": soak.migrations, "outcomes": soak.outcomes,
-                        "background": soak.background,
+                        "background": soak.background, "background_gaps_ms": soak.background_gaps_ms,
                         "committed": [MessageToDict(r, preserving_proto_field_name=True)
                                       for r in soak.committed]}, indent=2) + "\n")
     (args.out / f"migration_downtime_{name}.md").write_text(text + "\n")
