@@ -95,6 +95,12 @@ async def _call(args: argparse.Namespace) -> tuple[int, Any]:
             return response.status, await response.json(content_type=None)
 
 
+def _downtime_parts(parts: dict[str, float]) -> str:
+    """Where a committed migration's downtime went (docs/migration.md, "Where the downtime goes")."""
+    return (f"final stage {parts['final_stage']:.1f} ms, Commit {parts['commit']:.1f} ms of which "
+            f"{parts['destination_first_token']:.1f} ms to the destination's first token")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         status, payload = asyncio.run(_call(args))
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "migrate":
         print(f"migration {payload['outcome']}: request {payload['request_id'] or '-'}"
               + (f", {payload['migrated_tokens']} tokens moved, downtime {payload['downtime_ms']:.1f} ms"
+                 f" ({_downtime_parts(payload['downtime_parts_ms'])})"
                  if payload["outcome"] == "committed" else f" ({payload['reason']})"))
     else:
         print(f"{payload['instance_id']}: draining {'on' if payload['draining'] else 'off'}")

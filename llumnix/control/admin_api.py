@@ -71,7 +71,12 @@ async def _migrate(request: web.Request) -> web.Response:
         "outcome": outcome_name(result.outcome), "request_id": result.request_id,
         "migration_id": result.migration_id, "reason": result.reason, "stages": result.stages,
         "migrated_tokens": result.migrated_tokens, "downtime_ms": result.downtime_ms,
-        "duration_ms": result.duration_ms,
+        "duration_ms": result.duration_ms, "downtime_parts_ms": {
+            "final_stage": result.final_stage_ms, "final_stage_kv": result.final_stage_kv_ms,
+            "final_stage_event": result.final_stage_event_ms, "commit": result.commit_ms,
+            "destination_first_token": result.destination_first_token_ms,
+            "destination_admitted": result.destination_admitted_ms,
+            "destination_kv_load": result.destination_kv_load_ms},
     })
 
 

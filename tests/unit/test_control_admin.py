@@ -18,6 +18,7 @@ from llumnix.control.admin_api import admin_app
 from llumnix.control.status import InstanceStatus, ServiceStatus, headroom
 from llumnix.service_spec import load_service_file
 from llumnix.up import status_line
+from llumnix.v1 import migration_pb2 as mpb
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -84,9 +85,16 @@ async def test_drain_then_undrain_through_the_api(admin: tuple[Harness, TestClie
 
 async def test_migrate_through_the_api(admin: tuple[Harness, TestClient]) -> None:
     h, client = admin
+    h.llumlets["i0"].migrate_result = mpb.MigrateOutResponse(
+        outcome=mpb.MIGRATION_OUTCOME_COMMITTED, downtime_ms=30.0, final_stage_ms=8.0, commit_ms=21.0,
+        destination_first_token_ms=18.0, destination_admitted_ms=9.0, destination_kv_load_ms=0.5)
     response = await client.post("/migrate", json={"source": "i0", "destination": "i1", "request_id": "a"})
     assert response.status == 200
-    assert (await response.json())["outcome"] == "committed"
+    answer = await response.json()
+    assert answer["outcome"] == "committed" and answer["downtime_ms"] == 30.0
+    assert answer["downtime_parts_ms"] == {
+        "final_stage": 8.0, "final_stage_kv": 0.0, "final_stage_event": 0.0, "commit": 21.0,
+        "destination_first_token": 18.0, "destination_admitted": 9.0, "destination_kv_load": 0.5}
     assert h.migrations[0][1].request_id == "a"
     assert (await client.post("/migrate", json={"source": "i0"})).status == 400
     assert (await client.post("/migrate", data=b"{")).status == 400
@@ -114,7 +122,9 @@ async def test_the_cli_prints_a_table_and_clear_errors(admin: tuple[Harness, Tes
     assert "nope" in capsys.readouterr().err
     code = await asyncio.to_thread(admin_cli.run, admin_args(url, "migrate", "--source", "i0",
                                                              "--destination", "i1"))
-    assert code == 0 and "migration committed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "migration committed" in out
+    assert "final stage 0.0 ms, Commit 0.0 ms of which 0.0 ms to the destination's first token" in out
 
 
 def test_the_cli_says_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
