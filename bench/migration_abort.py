@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_service import run_cleanly
 from migration_downtime import MODELS, REPO, Node, completion_body, prompt_ids
 from tqdm import tqdm
 
@@ -146,7 +147,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the trials here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="llumnix-migration-abort-") as tmp:
-        trials = asyncio.run(measure(args, Path(tmp)))
+        trials = run_cleanly(measure(args, Path(tmp)))
     for kind in sorted({t.kill for t in trials}):
         times = [t.kill_to_answer_ms for t in trials if t.kill == kind]
         outcomes = sorted({t.outcome for t in trials if t.kill == kind})

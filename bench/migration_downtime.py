@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+from bench_service import run_cleanly
 from bench_stats import percentile
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
@@ -511,10 +512,10 @@ def main() -> int:
                         "(default: a temporary directory)")
     args = parser.parse_args()
     if args.work_dir is not None:
-        rows, soak, recipe = asyncio.run(measure(args, args.work_dir))
+        rows, soak, recipe = run_cleanly(measure(args, args.work_dir))
     else:
         with tempfile.TemporaryDirectory(prefix="llumnix-migration-bench-") as tmp:
-            rows, soak, recipe = asyncio.run(measure(args, Path(tmp)))
+            rows, soak, recipe = run_cleanly(measure(args, Path(tmp)))
     text = f"KV channel: {args.transport}.\n\n" + report(rows, recipe, args.model)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
