@@ -263,16 +263,22 @@ class SlowEngine(EngineClient):
         raise EngineUnavailableError("no first token")
 
 
-async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_staging(
-        destination: tuple) -> None:
-    node, link = destination
-    engine = node.admission.engine = SlowEngine("http://127.0.0.1:9")
+async def _committing(node: Destination) -> asyncio.Task[mpb.CommitMigrationResponse]:
+    """Migration "m1" proposed and its Commit under way, once the resumed request runs in the engine."""
     proposal = _proposal("m1", 4)
     proposal.endpoint = pb.ENDPOINT_COMPLETION
     assert (await node.propose(proposal)).accepted
     commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
         migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
     await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+    return commit
+
+
+async def test_abort_after_an_interrupted_commit_stops_the_copy_and_drops_the_staging(
+        destination: tuple) -> None:
+    node, link = destination
+    engine = node.admission.engine = SlowEngine("http://127.0.0.1:9")
+    commit = await _committing(node)
     assert not commit.done()
     commit.cancel()  # the source's Commit deadline passed
     await asyncio.gather(commit, return_exceptions=True)
@@ -319,14 +325,9 @@ async def test_a_first_token_slower_than_the_lease_is_kept_for_the_caller_to_att
     node.admission.engine = EngineClient(f"http://127.0.0.1:{port}")
     expiry = asyncio.create_task(node.expire())
     try:
-        proposal = _proposal("m1", 4)
-        proposal.endpoint = pb.ENDPOINT_COMPLETION
-        assert (await node.propose(proposal)).accepted
         # Proposed alongside and never committed: its expiry shows a sweep ran past the lease.
         assert (await node.propose(_proposal("witness", 4))).accepted
-        commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
-            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
-        await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+        commit = await _committing(node)
         clock.now += lease * 2  # the first token is slower than the lease
         await wait_until(lambda: "witness" in link.dropped, "a sweep expiring the witness's lease")
         assert link.dropped == ["witness"], "the committing migration was released as expired"
@@ -357,12 +358,7 @@ async def test_commit_answers_how_the_first_tokens_wait_split_at_the_engines_loa
     runner = await _slow_engine(first_token)
     node.admission.engine = EngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}")
     try:
-        proposal = _proposal("m1", 4)
-        proposal.endpoint = pb.ENDPOINT_COMPLETION
-        assert (await node.propose(proposal)).accepted
-        commit = asyncio.create_task(node.commit(mpb.CommitMigrationRequest(
-            migration_id="m1", prompt_token_ids=list(range(63)), generated_token_ids=[1], staged_tokens=63)))
-        await wait_until(lambda: node.admission.running("req-m1"), "the resumed request running")
+        commit = await _committing(node)
         if loaded:  # the engine loaded the staged KV 30 ms after Commit arrived, in 5 ms
             link.watched["m1"].put_nowait(MigrationEvent(
                 kind=MIGRATION_EVENT_KIND_LOADED, migration_id="m1", copy_ms=5.0,
