@@ -51,6 +51,7 @@ from bench_stats import percentile
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
+from llumlet.migration.downtime import downtime_parts
 from llumnix.launch.llumlet_process import LlumletProcess
 from llumnix.launch.pair import EnginePair, PairConfig
 from llumnix.tiny_model import PRESETS, TinyModelRecipe, ensure_tiny_model
@@ -375,20 +376,24 @@ def _loaded(r: mpb.MigrateOutResponse) -> bool:
     return r.destination_admitted_ms > 0 or r.destination_kv_load_ms > 0
 
 
-# The downtime's parts, each a function of one committed migration's answer (None: not measured).
+# The downtime's parts (`downtime_parts`, what the llumlet's histogram records), then the destination's
+# own split at its engine's LOADED event; each a function of one committed migration's answer (None:
+# not measured).
+PART_TITLES = {
+    "source_stop": "final stage: the abort into the source engine, the step it waits for",
+    "source_kv": "final stage: the last blocks' copy and send",
+    "source_event": "final stage: the engine's event to the source llumlet",
+    "commit_transit": "Commit's way there and back",
+    "destination": "destination: all (Commit received -> first token)",
+}
 DOWNTIME_PARTS: dict[str, Callable[[mpb.MigrateOutResponse], float | None]] = {
-    "final stage: the abort into the source engine, the step it waits for":
-        lambda r: r.final_stage_ms - r.final_stage_kv_ms - r.final_stage_event_ms,
-    "final stage: the last blocks' copy and send": lambda r: r.final_stage_kv_ms,
-    "final stage: the engine's event to the source llumlet": lambda r: r.final_stage_event_ms,
-    "Commit's way there and back": lambda r: r.commit_ms - r.destination_first_token_ms,
+    **{title: (lambda r, part=part: downtime_parts(r)[part]) for part, title in PART_TITLES.items()},
     "destination: resubmission, input processing, scheduling":
         lambda r: r.destination_admitted_ms if _loaded(r) else None,
     "destination: the staged KV's load": lambda r: r.destination_kv_load_ms if _loaded(r) else None,
     "destination: the first step, the token's way to the llumlet":
         lambda r: (r.destination_first_token_ms - r.destination_admitted_ms - r.destination_kv_load_ms
                    if _loaded(r) else None),
-    "destination: all (Commit received -> first token)": lambda r: r.destination_first_token_ms,
 }
 
 

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llumlet.migration.downtime import DOWNTIME_PARTS
 from llumnix.v1 import migration_pb2 as mpb
 from llumnix.v1.kv_transfer_pb2 import MigrationEvent
 from llumnix.wire import LoadReport, LoadSource
@@ -113,6 +114,11 @@ class LlumletMetrics:
             "Committed migrations out: from the final-stage abort to the destination's first token",
             registry=self.registry,
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+        self.migration_downtime_part = Histogram(
+            f"{PREFIX}_migration_downtime_part_seconds",
+            "Committed migrations out: the downtime's parts (llumlet.migration.downtime.DOWNTIME_PARTS)",
+            ["part"], registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
         self.migration_duration = Histogram(
             f"{PREFIX}_migration_duration_seconds", "Migrations out, from Propose to their end",
             ["outcome"], registry=self.registry,
@@ -123,6 +129,8 @@ class LlumletMetrics:
             if outcome.number != mpb.MIGRATION_OUTCOME_UNSPECIFIED:
                 self.migrations.labels("out", outcome.name)
                 self.migration_duration.labels(outcome.name)
+        for part in DOWNTIME_PARTS:
+            self.migration_downtime_part.labels(part)
         self.registry.register(_LoadCollector(instance_id, current_report))
         self.registry.register(_EngineStagingCollector(instance_id, engine_staging))
 

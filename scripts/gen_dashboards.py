@@ -160,6 +160,12 @@ DASHBOARDS: dict[str, tuple[str, dict[str, list[PanelSpec]]]] = {
                   "{{outcome}}"),)),
             PanelSpec("Downtime (committed)", "s", quantiles("llumnix_llumlet_migration_downtime_seconds"),
                       "Final-stage abort on the source to the destination's first token"),
+            PanelSpec("Downtime by part (p99)", "s", (
+                q("histogram_quantile(0.99, sum by (part, le) (rate("
+                  f"{s('llumnix_llumlet_migration_downtime_part_seconds_bucket')}[{RATE}])))", "{{part}}"),),
+                "Where the downtime goes: source_stop (the abort into the source engine and the step it "
+                "waits for), source_kv (the last blocks' copy and send), source_event, commit_transit, "
+                "destination (Commit received to its first token)"),
             PanelSpec("Duration", "s", quantiles("llumnix_llumlet_migration_duration_seconds")),
             PanelSpec("KV bytes sent", "Bps", (
                 q(f"sum(rate({s('llumnix_llumlet_migration_bytes_total')}[{RATE}]))", "bytes/s"),)),

@@ -21,6 +21,7 @@ import grpc
 from llumlet.admission import Admission, MovedTo, Suspension
 from llumlet.load_tracker import LoadTracker
 from llumlet.metrics import LlumletMetrics
+from llumlet.migration.downtime import downtime_parts
 from llumlet.migration.engine_link import EngineCommandRefused, EngineLink
 from llumlet.migration.rules import (
     answer_refusal,
@@ -210,8 +211,19 @@ class Source:
         self.metrics.migration_duration.labels(name).observe(duration_s)
         self.metrics.migration_stages.inc(progress.stages)
         self.metrics.migration_bytes.inc(progress.bytes)
+        answer = mpb.MigrateOutResponse(
+            outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
+            stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
+            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport,
+            final_stage_ms=progress.final_stage_ms, final_stage_kv_ms=progress.final_stage_kv_ms,
+            final_stage_event_ms=progress.final_stage_event_ms, commit_ms=progress.commit_ms,
+            destination_first_token_ms=progress.destination_first_token_ms,
+            destination_admitted_ms=progress.destination_admitted_ms,
+            destination_kv_load_ms=progress.destination_kv_load_ms)
         if outcome == mpb.MIGRATION_OUTCOME_COMMITTED:
             self.metrics.migration_downtime.observe(progress.downtime_ms / 1e3)
+            for part, ms in downtime_parts(answer).items():
+                self.metrics.migration_downtime_part.labels(part).observe(max(0.0, ms) / 1e3)
         log = logger.info if outcome in (mpb.MIGRATION_OUTCOME_COMMITTED,
                                          mpb.MIGRATION_OUTCOME_REFUSED) else logger.warning
         log("migration out ended", extra={
@@ -229,15 +241,7 @@ class Source:
             "destination_kv_load_ms": round(progress.destination_kv_load_ms, 2),
             "stages_ms": round(progress.stages_ms, 2),
             "send_ms": round(progress.send_ms, 2), "duration_ms": round(duration_s * 1e3, 2)})
-        return mpb.MigrateOutResponse(
-            outcome=outcome, migration_id=progress.migration_id, request_id=record.request_id, reason=reason,
-            stages=progress.stages, bytes=progress.bytes, migrated_tokens=progress.staged_tokens,
-            downtime_ms=progress.downtime_ms, duration_ms=duration_s * 1e3, transport=progress.transport,
-            final_stage_ms=progress.final_stage_ms, final_stage_kv_ms=progress.final_stage_kv_ms,
-            final_stage_event_ms=progress.final_stage_event_ms, commit_ms=progress.commit_ms,
-            destination_first_token_ms=progress.destination_first_token_ms,
-            destination_admitted_ms=progress.destination_admitted_ms,
-            destination_kv_load_ms=progress.destination_kv_load_ms)
+        return answer
 
     async def _run(self, progress: _Progress, request: mpb.MigrateOutRequest,
                    events: asyncio.Queue[MigrationEvent]) -> None:

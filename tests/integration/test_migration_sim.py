@@ -15,10 +15,12 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 from serve_adapter import serve_from_generate
 from service_auth import authenticated_channel
 from waiting import wait_until
 
+from llumlet.migration.downtime import DOWNTIME_PARTS
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.generation import GenerationLimits
@@ -151,11 +153,25 @@ async def _after_tokens(stream: Stream, count: int) -> None:
     assert len(stream.tokens) >= count, f"the request ended too early: {stream.error or stream.finish_reason}"
 
 
+async def _downtime_parts_observed(node: Llumlet) -> dict[str, tuple[float, float]]:
+    """Observations and seconds per part in the llumlet's histogram of the downtime's parts."""
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"{node.pair.llumlet.http_url}/metrics") as response:
+        text = await response.text()
+    samples = {(sample.name, sample.labels.get("part")): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name.startswith("llumnix_llumlet_migration_downtime_part_seconds")}
+    name = "llumnix_llumlet_migration_downtime_part_seconds"
+    return {part: (samples[(f"{name}_count", part)], samples[(f"{name}_sum", part)])
+            for part in DOWNTIME_PARTS}
+
+
 async def test_migrated_request_continues_at_the_destination_with_the_same_tokens(cluster: Cluster) -> None:
     body = _body(1, 300)
     expected = await _reference(cluster.b, body, "ref-1")
     stream, task = cluster.a.generate("m-1", body)
     await _after_tokens(stream, 20)
+    before = await _downtime_parts_observed(cluster.a)
     result = await cluster.a.migrate_out(cluster.b, "m-1")
     assert result.outcome == mpb.MIGRATION_OUTCOME_COMMITTED, result.reason
     assert result.stages >= 2 and result.bytes > 0 and result.migrated_tokens > 40
@@ -165,6 +181,12 @@ async def test_migrated_request_continues_at_the_destination_with_the_same_token
     assert result.final_stage_ms + result.commit_ms <= result.downtime_ms
     assert 0 < result.final_stage_kv_ms + result.final_stage_event_ms <= result.final_stage_ms
     assert result.destination_admitted_ms + result.destination_kv_load_ms <= result.destination_first_token_ms
+    # The source's histogram of the parts: one more observation each, adding up to the answer's.
+    after = await _downtime_parts_observed(cluster.a)
+    observed = {part: count - before[part][0] for part, (count, _) in after.items()}
+    assert observed == dict.fromkeys(DOWNTIME_PARTS, 1)
+    assert sum(total - before[part][1] for part, (_, total) in after.items()) == pytest.approx(
+        (result.final_stage_ms + result.commit_ms) / 1e3, abs=1e-6)
     await task
     assert stream.moved is not None and stream.moved.address == cluster.b.pair.grpc_address
     assert stream.moved.request_id == "m-1" and stream.moved.migration_id == result.migration_id
