@@ -15,8 +15,10 @@ up (their first migrated-in request and first prefill pay one-off initialisation
 
 A migration that does not commit is reported with its outcome and counted, never aborts the run.
 `--soak N` then moves requests of about SOAK_PROMPT tokens back and forth N times in a row while another
-request decodes on each engine, and prints the outcomes and the downtime's and duration's median, P99
-and maximum (docs/figures/migration_soak_<model>.md).
+request decodes on each engine, and prints the outcomes, the downtime's and duration's median, P99
+and maximum, the same for each of the downtime's parts (with the parts of the longest downtimes), and
+the background requests' own gaps between tokens over the same seconds
+(docs/figures/migration_soak_<model>.md; `--no-soak-background` runs it without those requests).
 
 Writes a Markdown table and JSON next to a PNG (docs/figures/migration_downtime_<model>.png), and
 prints the model's compute per KV byte beside LLaMA-7B's (~14 GFLOP prefill per token vs 512 KiB of
