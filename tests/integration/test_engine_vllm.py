@@ -39,6 +39,10 @@ pytestmark = [
 
 BLOCK_SIZE = 32
 MAX_NUM_SEQS = 2
+MAX_MODEL_LEN = 4096  # long_context_tiny_model_dir's positions
+LONG = 3000
+"""Tokens of a request that must outlive what a test does while it runs, however fast the engine
+decodes or slowly the machine lets the test look (440 ended first under a CPU hog)."""
 
 
 @dataclass
@@ -79,13 +83,13 @@ class Engine:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    long_context_tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Engine]:
     work = tmp_path_factory.mktemp("engine")
     addr = f"ipc://{work}/engine.sock"
     process = EngineProcess(EngineLaunchConfig(
-        model=tiny_model_dir, port=free_port(), served_model_name="tiny", dtype="float32",
-        block_size=BLOCK_SIZE, max_model_len=512, max_num_seqs=MAX_NUM_SEQS, snapshot_addr=addr,
+        model=long_context_tiny_model_dir, port=free_port(), served_model_name="tiny", dtype="float32",
+        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, snapshot_addr=addr,
         engine_id="engine-0", log_path=work / "engine.log",
     ))
     # ~20-40 s on an idle 2-core machine; generous for a loaded one.
@@ -159,12 +163,11 @@ async def test_free_blocks_track_vllm_usage_within_one_block(engine: Engine):
 
     comparisons = 0
     gauge_moved = False
-    # One request at a time, each as long as the engine takes (59 + 440 of 512 positions); one that
-    # ends before enough comparisons (a fast engine, or slow scrapes on a loaded machine) is followed
-    # by another.
+    # One request at a time, each LONG; one that ends before enough comparisons (a fast engine, or
+    # slow scrapes on a loaded machine) is followed by another.
     for attempt in range(8):
         request_id = f"usage-{attempt}"
-        request = asyncio.create_task(engine.complete(request_id, prompt_of(10), max_tokens=440))
+        request = asyncio.create_task(engine.complete(request_id, prompt_of(10), max_tokens=LONG))
         while comparisons < 5:
             # vLLM updates its gauge once per step too; compare only when the snapshots on both sides
             # of the scrape agree, so a block allocated between the two reads does not count as a
@@ -192,7 +195,8 @@ async def test_queued_requests_show_as_waiting_then_run(engine: Engine):
     prompts = {f"q{i}": prompt_of(10 + 5 * i) for i in range(4)}
     started = time.time()
     requests = {
-        rid: asyncio.create_task(engine.complete(rid, p, max_tokens=96)) for rid, p in prompts.items()
+        # The first two still run when the last arrives, however slowly a loaded machine admits them.
+        rid: asyncio.create_task(engine.complete(rid, p, max_tokens=LONG // 3)) for rid, p in prompts.items()
     }
     crowded = await engine.snapshot(lambda s: len(s.running) == MAX_NUM_SEQS and len(s.waiting) >= 1,
                                     after=started)
@@ -221,7 +225,8 @@ async def test_handshake_record_describes_the_kv_cache(engine: Engine):
     assert record["num_blocks"] >= (await engine.snapshot()).total_blocks
 
 
-async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine, tiny_model_dir: Path):
+async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
+                                                                  long_context_tiny_model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -240,8 +245,8 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     receiver.start()
     try:
         # Long enough that a client behind a loaded engine still registers the export while the request
-        # runs (40 tokens ended first under a CPU hog: "unknown request").
-        body = {"model": "tiny", "prompt": prompt_of(15), "max_tokens": 360, "temperature": 0,
+        # runs (40, then 360 tokens ended first under a CPU hog: "unknown request").
+        body = {"model": "tiny", "prompt": prompt_of(15), "max_tokens": LONG, "temperature": 0,
                 "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "kv_transfer_params": {"llumlet_id": "export-me"}}
         token_ids: list[int] = []
@@ -273,7 +278,7 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
     buffer = raw.view(torch.float32).reshape(blocks, 2, 1, 2, BLOCK_SIZE, 64)
 
     # The engine's K and V equal a reference forward pass over the same tokens.
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(long_context_tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         cache = model(torch.tensor([token_ids[:num_tokens]]), use_cache=True).past_key_values
     for layer in range(2):
@@ -286,9 +291,10 @@ async def test_final_stage_holds_the_requests_kv_and_round_trips(engine: Engine,
         torch.testing.assert_close(values[:, :num_tokens], reference.values[0], rtol=1e-4, atol=1e-4)
 
     # Copy in (other block ids of a cache with the engine's layout) and out again: unchanged.
-    caches = {name: torch.zeros((64, 2, BLOCK_SIZE, 64)) for name in layout["layer_names"]}
-    copier = KVBlockCopier(caches, num_blocks=64)
-    targets = list(range(63, 63 - blocks, -1))
+    cache_blocks = blocks + 8
+    caches = {name: torch.zeros((cache_blocks, 2, BLOCK_SIZE, 64)) for name in layout["layer_names"]}
+    copier = KVBlockCopier(caches, num_blocks=cache_blocks)
+    targets = list(range(cache_blocks - 1, cache_blocks - 1 - blocks, -1))
     copier.copy_in_block_major(targets, buffer)
     assert torch.equal(copier.copy_out_block_major(targets), buffer)
     # The engine freed the blocks once the final stage was copied out.
