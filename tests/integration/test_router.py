@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from sdk_client import openai_client
 from service_auth import SERVICE_TOKEN
 from waiting import wait_until
 
@@ -50,7 +51,7 @@ async def direct_completion(instance: EnginePair, body: dict) -> dict:
 
 async def test_openai_sdk_completions_and_chat_streaming_and_not(router: Router,
                                                                  instances: list[EnginePair]) -> None:
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    client = openai_client(router.url)
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
@@ -92,7 +93,7 @@ async def test_openai_sdk_completions_and_chat_streaming_and_not(router: Router,
 
 
 async def test_a_burst_spreads_over_every_instance(router: Router) -> None:
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    client = openai_client(router.url)
     results = await asyncio.gather(*(
         client.completions.create(model=MODEL, prompt=f"burst {i}", max_tokens=40) for i in range(12)))
     assert all(len(r.choices[0].text) == 40 for r in results)
@@ -126,11 +127,11 @@ async def test_limits_and_errors_are_openai_4xx(instances: list[EnginePair],
 
 async def test_api_keys(instances: list[EnginePair], start_router: StartRouter) -> None:
     router = await start_router([instances[0].grpc_address], api_keys=(b"sk-good",))
-    bad = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-bad")
+    bad = openai_client(router.url, "sk-bad")
     with pytest.raises(openai.AuthenticationError) as err:
         await bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
-    good = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="sk-good")
+    good = openai_client(router.url, "sk-good")
     answer = await good.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert len(answer.choices[0].text) == 2
     async with aiohttp.ClientSession() as session, session.get(router.url + "/health") as response:
@@ -188,7 +189,7 @@ async def test_queue_503_and_instances_added_and_removed_at_run_time(
 
 
 async def test_metrics_exposition(router: Router) -> None:
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    client = openai_client(router.url)
     await client.completions.create(model=MODEL, prompt="m", max_tokens=5)
     async with aiohttp.ClientSession() as session, session.get(router.url + "/metrics") as response:
         text = await response.text()
@@ -209,13 +210,14 @@ async def test_a_burst_of_long_text_prompts_is_placed_by_their_size_as_the_engin
     go where each fits instead of both to the emptier instance."""
     a, b = await sim_pairs(2, "sized", engine_args=("--num-blocks", "64", "--block-size", "16"))
     router = await start_router([a.grpc_address, b.grpc_address])
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+    client = openai_client(router.url)
     await asyncio.gather(*(client.completions.create(model=MODEL, prompt=f"warm-up {i} " * 8, max_tokens=2)
                            for i in range(12)))
     assert router.api.prompt_sizer.bytes_per_token == pytest.approx(1.0)
     # b holds 19-25 blocks for a while: a request sent to its llumlet directly (the router only sees it
     # in b's load), 300 prompt tokens and up to 100 more.
-    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization}) as session:
+    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization},
+                                     timeout=aiohttp.ClientTimeout(total=90)) as session:
         holder = asyncio.create_task(session.post(b.llumlet.http_url + "/v1/completions", json={
             "model": MODEL, "prompt": [65] * 300, "max_tokens": 100, "ignore_eos": True}))
         instance_b = router.instances.get(b.grpc_address)
@@ -225,13 +227,27 @@ async def test_a_burst_of_long_text_prompts_is_placed_by_their_size_as_the_engin
         assert not holder.done(), (await holder.result().text())
         # a has room for one 600-token prompt (38 blocks of 64), b beside the holder for one more.
         before = _served(router)
-        results = await asyncio.gather(*(client.completions.create(
-            model=MODEL, prompt=letter * 600, max_tokens=8) for letter in "XY"))
+        try:
+            results = await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=letter * 600, max_tokens=8) for letter in "XY"))
+        except openai.APIError as exc:
+            raise AssertionError(f"{exc!r}; the router's view: {_router_view(router)}") from exc
         assert all(len(r.choices[0].text) == 8 for r in results)
         after = _served(router)
         assert {name: after[name] - before[name] for name in ("sized-0", "sized-1")} == \
             {"sized-0": 1, "sized-1": 1}
         (await holder).close()
+
+
+def _router_view(router: Router) -> str:
+    """What the router saw of each instance and its queue, for a failure's message."""
+    views = []
+    for instance in router.instances.all():
+        load = instance.effective_load() if instance.report is not None else None
+        views.append(f"{instance.address}: dispatchable={instance.dispatchable()} idle={instance.is_idle()} "
+                     f"pending={sorted(instance.pending)} in_flight={sorted(instance.in_flight)} "
+                     f"ended={sorted(instance.ended)} load={load}")
+    return f"queue={len(router.queue)}; " + "; ".join(views)
 
 
 def _served(router: Router) -> collections.Counter[str]:

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import grpc
-import openai
 import pytest
 import pytest_asyncio
+from sdk_client import openai_client
 from serve_adapter import serve_from_generate
 from service_auth import authenticated_channel
 
@@ -86,7 +86,7 @@ async def test_retry_before_the_first_token_when_an_engine_is_down(
     dead, running = alive(instances)[:2]
     router = await router_over([dead.grpc_address, running.grpc_address])
     dead.kill_engine()  # its llumlet still streams a load that looks idle
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    client = openai_client(router.url)
     answers = await asyncio.gather(*(
         client.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=5) for i in range(6)))
     assert all(len(a.choices[0].text) == 5 for a in answers)
@@ -99,7 +99,7 @@ async def test_token_replay_when_the_engine_dies_mid_stream(instances: list[Engi
     first, second = alive(instances)[:2]
     router = await router_over([first.grpc_address, second.grpc_address])
     by_address = {p.grpc_address: p for p in (first, second)}
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    client = openai_client(router.url)
     if endpoint == "completions":
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
         expected = await unfailed(second, "/v1/completions", body)
@@ -177,7 +177,7 @@ async def test_a_moved_request_continues_from_its_destination(instances: list[En
         router = await router_over([f"127.0.0.1:{port}"])
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60}
         expected = await unfailed(destination, "/v1/completions", body)
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(router.url)
         stream = await client.completions.create(**body, stream=True)  # type: ignore[call-overload]
         text = "".join([choice.text async for chunk in stream for choice in chunk.choices])
         assert text == expected
@@ -195,7 +195,7 @@ async def test_every_request_on_a_llumlet_that_dies_resumes_elsewhere(instances:
     by_address = {p.grpc_address: p for p in (first, second)}
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120}
     expected = await unfailed(second, "/v1/completions", body)
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    client = openai_client(router.url)
     started = [asyncio.Event() for _ in range(6)]
 
     async def read(started: asyncio.Event) -> str:
