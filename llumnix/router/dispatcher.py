@@ -7,13 +7,13 @@ that has its prefix cached."""
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
 
 from llumnix.load import RequestLoad
-from llumnix.policies.dispatch import NO_CACHE, CachedBlocks, DispatchPolicy
+from llumnix.policies.dispatch import NO_CACHE, CachedBlocks, DispatchPolicy, dispatch_held, placement
 from llumnix.prefix_cache import block_hashes, cacheable_blocks
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
@@ -47,21 +47,18 @@ class Dispatcher:
             self._rerank(instance)
         instances.on_load_change(self._rerank)
 
-    def dispatch(self, request: RequestLoad) -> Instance | None:
+    def dispatch(self, request: RequestLoad, held_s: float = 0.0) -> Instance | None:
         """The chosen instance, with the request reserved on it; None to hold the request (no
-        instance, or every instance busy while some of them has work that will finish)."""
+        instance, or every instance busy while some of them has work that will finish; `placement`).
+        `held_s`: how long the request has been held already."""
         started = time.perf_counter()
         now = time.monotonic()
         by_id = self._by_id
         decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now),
                                         self._cached_blocks(request))
-        chosen = None
-        if decision is not None:
-            chosen = by_id[decision.instance_id]
-            if decision.all_busy and not chosen.is_idle():
-                # Hold it, unless an instance has nothing to finish (then nothing would wake us:
-                # a request too large for any idle instance goes there and the engine decides).
-                chosen = next((i for i in self._idle if i.dispatchable(now)), None)
+        chosen_id = placement(decision, lambda instance_id: by_id[instance_id].is_idle(),
+                              (i.instance_id for i in self._idle if i.dispatchable(now)), held_s)
+        chosen = None if chosen_id is None else by_id[chosen_id]
         if chosen is not None:
             chosen.reserve(request)
         if self.metrics is not None:
@@ -96,7 +93,7 @@ class Dispatcher:
         self._by_id[load.instance_id] = instance
         self._block_size = load.block_size
         self._ranking.update(load)
-        if instance.is_idle():
+        if instance.is_idle() and not load.draining:
             self._idle[instance] = None
         else:
             self._idle.pop(instance, None)
@@ -108,11 +105,13 @@ class _Waiter:
     seq: int
     request: RequestLoad = field(compare=False)
     future: asyncio.Future[Instance] = field(compare=False)
+    since: float = field(compare=False)
 
 
 class DispatchQueue:
     """Requests wait here while `Dispatcher.dispatch` holds them; `wake()` (after every load update,
-    release and membership change) dispatches from the head: high priority first, then arrival."""
+    release and membership change) offers them in order, high priority first, then arrival
+    (`dispatch_held`: one that does not fit yet lets smaller ones of its priority pass)."""
 
     def __init__(self, dispatcher: Dispatcher, capacity: int, timeout_s: float,
                  metrics: RouterMetrics | None = None) -> None:
@@ -120,15 +119,16 @@ class DispatchQueue:
         self.capacity = capacity
         self.timeout_s = timeout_s
         self.metrics = metrics
-        self._heap: list[_Waiter] = []
+        self._held: list[_Waiter] = []
+        """In dispatch order."""
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return sum(1 for w in self._heap if not w.future.done())
+        return sum(1 for w in self._held if not w.future.done())
 
     def held_tokens(self) -> list[int]:
-        """The tokens each held request needs, in the order they will be dispatched."""
-        return [w.request.total_tokens for w in sorted(self._heap) if not w.future.done()]
+        """The tokens each held request needs, in the order they will be offered."""
+        return [w.request.total_tokens for w in self._held if not w.future.done()]
 
     def _update_gauge(self) -> None:
         if self.metrics is not None:
@@ -137,7 +137,7 @@ class DispatchQueue:
     async def acquire(self, request: RequestLoad, high_priority: bool) -> Instance:
         """An instance with `request` reserved on it; RouterError 503 (with Retry-After) when the queue
         is full or the request waited `timeout_s`."""
-        if not self._heap:
+        if not self._held:
             instance = self.dispatcher.dispatch(request)
             if instance is not None:
                 return instance
@@ -145,7 +145,8 @@ class DispatchQueue:
             raise RouterError(503, f"every instance is busy and {self.capacity} requests are already "
                               "waiting; retry later", "ServiceUnavailableError", retry_after_s=1.0)
         future: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Waiter(0 if high_priority else 1, next(self._seq), request, future))
+        bisect.insort(self._held, _Waiter(0 if high_priority else 1, next(self._seq), request, future,
+                                          time.monotonic()))
         self._update_gauge()
         self.wake()
         try:
@@ -165,21 +166,23 @@ class DispatchQueue:
         return future.result()
 
     def wake(self) -> None:
-        while self._heap:
-            head = self._heap[0]
-            if head.future.done():
-                heapq.heappop(self._heap)
-                continue
-            instance = self.dispatcher.dispatch(head.request)
-            if instance is None:
-                break
-            heapq.heappop(self._heap)
-            head.future.set_result(instance)
+        if self._held:
+            now = time.monotonic()
+
+            def place(waiter: _Waiter) -> bool:
+                instance = self.dispatcher.dispatch(waiter.request, now - waiter.since)
+                if instance is not None:
+                    waiter.future.set_result(instance)
+                return instance is not None
+
+            waiting = [w for w in self._held if not w.future.done()]
+            self._held = dispatch_held(waiting, lambda w: w.request.total_tokens, lambda w: w.rank == 0,
+                                       place)
         self._update_gauge()
 
     def fail_all(self, error: RouterError) -> None:
-        for waiter in self._heap:
+        for waiter in self._held:
             if not waiter.future.done():
                 waiter.future.set_exception(error)
-        self._heap.clear()
+        self._held.clear()
         self._update_gauge()

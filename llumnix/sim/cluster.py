@@ -15,6 +15,7 @@ The loop ends when every request has finished.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -24,7 +25,7 @@ from typing import Any
 
 from llumnix.load import ClusterDemand, RequestLoad
 from llumnix.policies.autoscaling import decide, drained_empty, release_due
-from llumnix.policies.dispatch import make_dispatch_policy
+from llumnix.policies.dispatch import dispatch_held, make_dispatch_policy, placement
 from llumnix.policies.migration import admits, pair_migrations, select_request
 from llumnix.prefix_cache import PrefixIndex, block_hashes, cacheable_blocks
 from llumnix.profile import LatencyProfile
@@ -104,7 +105,8 @@ class Cluster:
         self.starting: list[SimInstance] = []
         self.released: list[SimInstance] = []
         self.pending: list[SimRequest] = []
-        """Arrived while no instance could take them (all starting or draining)."""
+        """Arrived while no instance could take them (all starting or draining) or, for a system
+        whose router holds requests, while every instance was busy; in the router's order."""
         self._drain_wanted_since: float | None = None
         self._empty_since: dict[str, float] = {}
         """Drained instances found empty at an autoscaling tick (parked), and since when."""
@@ -204,23 +206,44 @@ class Cluster:
         )
 
     def _dispatch(self, request: SimRequest) -> None:
+        if not self._place(request):
+            self._hold(request)
+
+    def _place(self, request: SimRequest) -> bool:
+        """Dispatches the request unless it is to be held (no instance serves, or, for a system
+        whose router holds requests, every instance is busy)."""
         incoming = RequestLoad(
             request.request_id, request.prompt_tokens, request.generated, high_priority=request.high_priority
         )
         cached = self._cached_blocks(request)
         decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming, cached)
-        if decision is None:
-            self.pending.append(request)
-            return
+        if self.system.holds:
+            by_id = {instance.instance_id: instance for instance in self.ready}
+            chosen = placement(decision, lambda instance_id: by_id[instance_id].num_requests == 0,
+                               (i.instance_id for i in self.ready if not i.draining and i.num_requests == 0),
+                               self.now - request.arrival_time)
+        else:
+            chosen = None if decision is None else decision.instance_id
+        if chosen is None:
+            return False
         request.best_cached_blocks = max(cached.values(), default=0)
-        request.dispatched_cached_blocks = cached.get(decision.instance_id, 0)
-        instance = next(i for i in self.ready if i.instance_id == decision.instance_id)
+        request.dispatched_cached_blocks = cached.get(chosen, 0)
+        instance = next(i for i in self.ready if i.instance_id == chosen)
         instance.enqueue(request)
         self._kick(instance)
+        return True
+
+    def _hold(self, request: SimRequest) -> None:
+        """Queue it here until an instance can take it: high priority first, then arrival (the
+        router's order)."""
+        bisect.insort(self.pending, request, key=_held_order)
 
     def _on_iteration_end(self, instance: SimInstance, now: float) -> None:
-        self.finished += len(instance.complete(now))
+        completed = len(instance.complete(now))
+        self.finished += completed
         self._kick(instance)
+        if completed:
+            self._wake()
 
     def _on_tick(self, _: None, now: float) -> None:
         if self.system.migration:
@@ -268,6 +291,7 @@ class Cluster:
         else:
             self.result.migrations_aborted += 1
         self._kick(migration.source)
+        self._wake()
 
     def _sample_fragmentation(self) -> None:
         free = 0
@@ -340,6 +364,14 @@ class Cluster:
         self._dispatch_pending()
 
     def _dispatch_pending(self) -> None:
-        pending, self.pending = self.pending, []
-        for request in pending:
-            self._dispatch(request)
+        self.pending = dispatch_held(self.pending, lambda r: r.tokens, lambda r: r.high_priority, self._place)
+
+    def _wake(self) -> None:
+        """After room was freed: a system whose router holds requests dispatches from the head of
+        its queue (the router wakes on every load update; only freed room can end a hold)."""
+        if self.pending and self.system.holds:
+            self._dispatch_pending()
+
+
+def _held_order(request: SimRequest) -> tuple[bool, float]:
+    return (not request.high_priority, request.arrival_time)

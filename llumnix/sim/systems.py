@@ -24,17 +24,23 @@ class SystemSpec:
     """Whether high-priority requests are scheduled as such (otherwise all are normal)."""
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     """Prefix-cache awareness of the dispatch policy (`make_dispatch_policy`); 0: freeness only."""
+    holds: bool = False
+    """Whether a request that finds every instance busy waits in the router's queue until one frees
+    room (`llumnix.policies.dispatch.placement`, as the product's router does) rather than in the
+    queue of the instance the policy chose (the baselines)."""
 
 
 SYSTEMS: dict[str, SystemSpec] = {
-    "llumnix": SystemSpec("llumnix", "llumnix", migration=True, priorities=True),
-    "llumnix-base": SystemSpec("llumnix-base", "llumnix", migration=True, priorities=False),
+    "llumnix": SystemSpec("llumnix", "llumnix", migration=True, priorities=True, holds=True),
+    "llumnix-base": SystemSpec("llumnix-base", "llumnix", migration=True, priorities=False, holds=True),
     "infaas++": SystemSpec("infaas++", "infaas++", migration=False, priorities=False),
     # Ablations: each of Llumnix's two mechanisms without the other.
-    "llumnix-nomig": SystemSpec("llumnix-nomig", "llumnix", migration=False, priorities=True),
+    "llumnix-nomig": SystemSpec("llumnix-nomig", "llumnix", migration=False, priorities=True, holds=True),
     "llumnix-noprefix": SystemSpec("llumnix-noprefix", "llumnix", migration=True, priorities=True,
-                                   prefix_weight=0.0),
+                                   prefix_weight=0.0, holds=True),
     "infaas++-mig": SystemSpec("infaas++-mig", "infaas++", migration=True, priorities=False),
+    # Llumnix with a burst's overflow queued at the instances rather than held by the router.
+    "llumnix-nohold": SystemSpec("llumnix-nohold", "llumnix", migration=True, priorities=True),
     "round-robin": SystemSpec("round-robin", "round-robin", migration=False, priorities=False),
     "least-requests": SystemSpec("least-requests", "least-requests", migration=False, priorities=False),
 }

@@ -6,7 +6,13 @@ from collections import Counter
 import pytest
 
 from llumnix.load import InstanceLoad, RequestLoad
-from llumnix.policies.dispatch import make_dispatch_policy
+from llumnix.policies.dispatch import (
+    MAX_HOLD_S,
+    DispatchDecision,
+    dispatch_held,
+    make_dispatch_policy,
+    placement,
+)
 
 
 def inst(iid: str, total: int = 100, free: int = 100, n_running: int = 0, waiting_tokens=(), draining=False):
@@ -104,3 +110,40 @@ def test_unknown_policy_is_a_clear_error() -> None:
         make_dispatch_policy("fastest")
     with pytest.raises(ValueError, match="top_k"):
         make_dispatch_policy("llumnix", top_k=0)
+
+
+def test_placement_holds_only_while_every_instance_is_busy_and_none_is_idle() -> None:
+    free, busy = DispatchDecision("a"), DispatchDecision("a", all_busy=True)
+    never_idle, idle_b = (lambda _iid: False), ["b"]
+    assert placement(None, never_idle, idle_b) is None  # no instance at all
+    assert placement(free, never_idle, []) == "a"
+    assert placement(busy, never_idle, []) is None
+    assert placement(busy, never_idle, idle_b) == "b"  # nothing to finish there: nothing would wake it
+    assert placement(busy, lambda iid: iid == "a", idle_b) == "a"
+    # held long enough, it waits in the chosen engine's queue (smaller requests could pass it for ever)
+    assert placement(busy, never_idle, [], held_s=MAX_HOLD_S) == "a"
+    assert placement(busy, never_idle, [], held_s=MAX_HOLD_S - 0.1) is None
+
+
+def test_held_requests_let_smaller_ones_of_their_priority_pass_never_larger_ones() -> None:
+    # (name, tokens, high priority), in dispatch order; room for 200 tokens
+    held = [("big", 800, False), ("small", 100, False), ("same", 800, False), ("medium", 150, False)]
+    room = [200]
+    offered: list[str] = []
+
+    def place(request: tuple[str, int, bool]) -> bool:
+        offered.append(request[0])
+        if request[1] > room[0]:
+            return False
+        room[0] -= request[1]
+        return True
+
+    still = dispatch_held(held, lambda r: r[1], lambda r: r[2], place)
+    assert offered == ["big", "small", "medium"]  # "same" could not fit where "big" did not
+    assert [r[0] for r in still] == ["big", "same", "medium"]  # 100 + 150 > 200: medium waits too
+    # a high-priority request that cannot be placed blocks every normal one behind it
+    offered.clear()
+    room[0] = 200
+    still = dispatch_held([("vip", 800, True), ("vip-small", 100, True), ("small", 50, False)],
+                          lambda r: r[1], lambda r: r[2], place)
+    assert offered == ["vip", "vip-small"] and [r[0] for r in still] == ["vip", "small"]
