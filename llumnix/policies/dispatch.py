@@ -69,18 +69,21 @@ def _any_instance(_instance_id: str) -> bool:
 
 
 def dispatch_held(held: Sequence[T], tokens: Callable[[T], int], high_priority: Callable[[T], bool],
-                  place: Callable[[T], bool]) -> list[T]:
+                  place: Callable[[T], bool], passed: Callable[[T], None]) -> list[T]:
     """Offers the held requests (high priority first, then in arrival order) to `place` (True:
     dispatched); returns those still held, in order. A request that cannot be placed does not block
     the smaller requests of its priority behind it (they may fit where it does not), only those at
     least as large (they cannot fit either, so they are not offered) and, if it is high priority,
-    every normal one (room freed goes to high-priority requests first)."""
+    every normal one (room freed goes to high-priority requests first). `passed` is called with each
+    held request that a request behind it was dispatched ahead of."""
     still_held: list[T] = []
     blocked = {True: math.inf, False: math.inf}
     """Per priority: the size from which requests are not offered."""
     for request in held:
         size, high = tokens(request), high_priority(request)
         if size < blocked[high] and place(request):
+            for ahead in still_held:
+                passed(ahead)
             continue
         still_held.append(request)
         blocked[high] = min(blocked[high], size)
@@ -89,26 +92,26 @@ def dispatch_held(held: Sequence[T], tokens: Callable[[T], int], high_priority: 
     return still_held
 
 
-MAX_HOLD_S = 10.0
-"""How long a request may be held (passed over by smaller ones that fit) before it goes to the
-instance the policy chose and waits in that engine's queue, where it is admitted in order."""
+MAX_HOLD_S = 30.0
+"""How long a request may be held after a smaller one was dispatched ahead of it, before it goes to
+the instance the policy chose and waits in that engine's queue, where it is admitted in order."""
 
 
 def placement(decision: DispatchDecision | None, is_idle: Callable[[str], bool], idle: Iterable[str],
-              held_s: float = 0.0) -> str | None:
+              passed_s: float = 0.0) -> str | None:
     """Where a request goes now; None to hold it in the router's queue until room is freed.
 
     The decision's instance, unless every instance is busy (the request would wait in an engine's
     queue) and that one has work to finish: then an instance with nothing to finish if there is one
     (nothing would ever wake a held request for it, and a request too large for every instance must go
     somewhere), else hold. Holding keeps a burst's overflow in one queue, served by whichever instance
-    frees room first, instead of behind one instance's running requests. A request held `MAX_HOLD_S`
-    goes to the chosen instance anyway: the queue lets smaller requests that fit pass a held one, so a
-    large one could otherwise wait for ever. `idle` is read only when needed (instances with nothing
-    to finish that may take requests, in preference order)."""
+    frees room first, instead of behind one instance's running requests. The queue lets smaller
+    requests that fit pass a held one, so a large one could wait for ever: `MAX_HOLD_S` after it was
+    first passed (`passed_s`), it goes to the chosen instance anyway. `idle` is read only when
+    needed (instances with nothing to finish that may take requests, in preference order)."""
     if decision is None:
         return None
-    if not decision.all_busy or held_s >= MAX_HOLD_S or is_idle(decision.instance_id):
+    if not decision.all_busy or passed_s >= MAX_HOLD_S or is_idle(decision.instance_id):
         return decision.instance_id
     return next(iter(idle), None)
 

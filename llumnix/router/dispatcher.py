@@ -47,17 +47,17 @@ class Dispatcher:
             self._rerank(instance)
         instances.on_load_change(self._rerank)
 
-    def dispatch(self, request: RequestLoad, held_s: float = 0.0) -> Instance | None:
+    def dispatch(self, request: RequestLoad, passed_s: float = 0.0) -> Instance | None:
         """The chosen instance, with the request reserved on it; None to hold the request (no
         instance, or every instance busy while some of them has work that will finish; `placement`).
-        `held_s`: how long the request has been held already."""
+        `passed_s`: how long since a held request was first passed by one dispatched ahead of it."""
         started = time.perf_counter()
         now = time.monotonic()
         by_id = self._by_id
         decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now),
                                         self._cached_blocks(request))
         chosen_id = placement(decision, lambda instance_id: by_id[instance_id].is_idle(),
-                              (i.instance_id for i in self._idle if i.dispatchable(now)), held_s)
+                              (i.instance_id for i in self._idle if i.dispatchable(now)), passed_s)
         chosen = None if chosen_id is None else by_id[chosen_id]
         if chosen is not None:
             chosen.reserve(request)
@@ -105,7 +105,8 @@ class _Waiter:
     seq: int
     request: RequestLoad = field(compare=False)
     future: asyncio.Future[Instance] = field(compare=False)
-    since: float = field(compare=False)
+    passed_at: float | None = field(default=None, compare=False)
+    """When a request behind it was first dispatched ahead of it."""
 
 
 class DispatchQueue:
@@ -145,8 +146,7 @@ class DispatchQueue:
             raise RouterError(503, f"every instance is busy and {self.capacity} requests are already "
                               "waiting; retry later", "ServiceUnavailableError", retry_after_s=1.0)
         future: asyncio.Future[Instance] = asyncio.get_running_loop().create_future()
-        bisect.insort(self._held, _Waiter(0 if high_priority else 1, next(self._seq), request, future,
-                                          time.monotonic()))
+        bisect.insort(self._held, _Waiter(0 if high_priority else 1, next(self._seq), request, future))
         self._update_gauge()
         self.wake()
         try:
@@ -170,14 +170,19 @@ class DispatchQueue:
             now = time.monotonic()
 
             def place(waiter: _Waiter) -> bool:
-                instance = self.dispatcher.dispatch(waiter.request, now - waiter.since)
+                passed_s = 0.0 if waiter.passed_at is None else now - waiter.passed_at
+                instance = self.dispatcher.dispatch(waiter.request, passed_s)
                 if instance is not None:
                     waiter.future.set_result(instance)
                 return instance is not None
 
+            def passed(waiter: _Waiter) -> None:
+                if waiter.passed_at is None:
+                    waiter.passed_at = now
+
             waiting = [w for w in self._held if not w.future.done()]
             self._held = dispatch_held(waiting, lambda w: w.request.total_tokens, lambda w: w.rank == 0,
-                                       place)
+                                       place, passed)
         self._update_gauge()
 
     def fail_all(self, error: RouterError) -> None:

@@ -107,6 +107,8 @@ class Cluster:
         self.pending: list[SimRequest] = []
         """Arrived while no instance could take them (all starting or draining) or, for a system
         whose router holds requests, while every instance was busy; in the router's order."""
+        self._passed_at: dict[str, float] = {}
+        """Held requests that a request behind them was dispatched ahead of, and since when."""
         self._drain_wanted_since: float | None = None
         self._empty_since: dict[str, float] = {}
         """Drained instances found empty at an autoscaling tick (parked), and since when."""
@@ -206,7 +208,10 @@ class Cluster:
         )
 
     def _dispatch(self, request: SimRequest) -> None:
-        if not self._place(request):
+        if self.pending and self.system.holds:
+            self._hold(request)  # offered with the held ones, in their order (as the router's queue does)
+            self._dispatch_pending()
+        elif not self._place(request):
             self._hold(request)
 
     def _place(self, request: SimRequest) -> bool:
@@ -221,11 +226,12 @@ class Cluster:
             by_id = {instance.instance_id: instance for instance in self.ready}
             chosen = placement(decision, lambda instance_id: by_id[instance_id].num_requests == 0,
                                (i.instance_id for i in self.ready if not i.draining and i.num_requests == 0),
-                               self.now - request.arrival_time)
+                               self.now - self._passed_at.get(request.request_id, self.now))
         else:
             chosen = None if decision is None else decision.instance_id
         if chosen is None:
             return False
+        self._passed_at.pop(request.request_id, None)
         request.best_cached_blocks = max(cached.values(), default=0)
         request.dispatched_cached_blocks = cached.get(chosen, 0)
         instance = next(i for i in self.ready if i.instance_id == chosen)
@@ -248,6 +254,7 @@ class Cluster:
     def _on_tick(self, _: None, now: float) -> None:
         if self.system.migration:
             self._migration_round()
+        self._wake()  # a request held `MAX_HOLD_S` goes to the chosen instance even if no room was freed
         for instance in self.ready:
             instance.read_preemptions()
         self._sample_fragmentation()
@@ -364,11 +371,12 @@ class Cluster:
         self._dispatch_pending()
 
     def _dispatch_pending(self) -> None:
-        self.pending = dispatch_held(self.pending, lambda r: r.tokens, lambda r: r.high_priority, self._place)
+        self.pending = dispatch_held(self.pending, lambda r: r.tokens, lambda r: r.high_priority, self._place,
+                                     lambda r: self._passed_at.setdefault(r.request_id, self.now))
 
     def _wake(self) -> None:
-        """After room was freed: a system whose router holds requests dispatches from the head of
-        its queue (the router wakes on every load update; only freed room can end a hold)."""
+        """After room was freed and at every tick: a system whose router holds requests offers them
+        again (the router does at every load update)."""
         if self.pending and self.system.holds:
             self._dispatch_pending()
 

@@ -120,9 +120,9 @@ def test_placement_holds_only_while_every_instance_is_busy_and_none_is_idle() ->
     assert placement(busy, never_idle, []) is None
     assert placement(busy, never_idle, idle_b) == "b"  # nothing to finish there: nothing would wake it
     assert placement(busy, lambda iid: iid == "a", idle_b) == "a"
-    # held long enough, it waits in the chosen engine's queue (smaller requests could pass it for ever)
-    assert placement(busy, never_idle, [], held_s=MAX_HOLD_S) == "a"
-    assert placement(busy, never_idle, [], held_s=MAX_HOLD_S - 0.1) is None
+    # passed by smaller requests for long enough, it waits in the chosen engine's queue
+    assert placement(busy, never_idle, [], passed_s=MAX_HOLD_S) == "a"
+    assert placement(busy, never_idle, [], passed_s=MAX_HOLD_S - 0.1) is None
 
 
 def test_held_requests_let_smaller_ones_of_their_priority_pass_never_larger_ones() -> None:
@@ -138,12 +138,14 @@ def test_held_requests_let_smaller_ones_of_their_priority_pass_never_larger_ones
         room[0] -= request[1]
         return True
 
-    still = dispatch_held(held, lambda r: r[1], lambda r: r[2], place)
+    passed: list[str] = []
+    still = dispatch_held(held, lambda r: r[1], lambda r: r[2], place, lambda r: passed.append(r[0]))
     assert offered == ["big", "small", "medium"]  # "same" could not fit where "big" did not
     assert [r[0] for r in still] == ["big", "same", "medium"]  # 100 + 150 > 200: medium waits too
+    assert passed == ["big"]  # "small" went ahead of it
     # a high-priority request that cannot be placed blocks every normal one behind it
     offered.clear()
     room[0] = 200
     still = dispatch_held([("vip", 800, True), ("vip-small", 100, True), ("small", 50, False)],
-                          lambda r: r[1], lambda r: r[2], place)
+                          lambda r: r[1], lambda r: r[2], place, lambda r: None)
     assert offered == ["vip", "vip-small"] and [r[0] for r in still] == ["vip", "small"]

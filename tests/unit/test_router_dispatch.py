@@ -16,7 +16,7 @@ from waiting import wait_until
 
 from llumnix.load import InstanceLoad, RequestLoad
 from llumnix.openai_stream import EndpointKind
-from llumnix.policies.dispatch import ScoringPolicy, make_dispatch_policy
+from llumnix.policies.dispatch import MAX_HOLD_S, ScoringPolicy, make_dispatch_policy
 from llumnix.prefix_cache import block_hashes, root_hash
 from llumnix.router.dispatcher import Dispatcher, DispatchQueue
 from llumnix.router.errors import RouterError
@@ -143,6 +143,45 @@ async def test_queue_orders_by_priority_then_arrival_and_is_bounded() -> None:
     instances.all()[0].observe(report("a", sequence=2))  # the instance emptied: the queue drains
     await asyncio.gather(*tasks)
     assert served == ["r3", "r1", "r2"]
+
+
+async def test_a_held_request_that_does_not_fit_lets_smaller_ones_pass_for_a_while() -> None:
+    def x(blocks: int) -> tuple[RequestLoad, ...]:
+        return (RequestLoad("x", blocks * 16, blocks=blocks),)
+
+    instances = cluster(report("a", free_blocks=5, running=x(95)))
+    a = instances.all()[0]
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    queue = DispatchQueue(dispatcher, capacity=8, timeout_s=5.0)
+    instances.on_change = queue.wake
+    big = asyncio.create_task(queue.acquire(request(1, tokens=1280), False))  # 80 blocks
+    small = asyncio.create_task(queue.acquire(request(2, tokens=160), False))  # 10 blocks
+    vip = asyncio.create_task(queue.acquire(request(3, tokens=1280, high=True), True))
+    later = asyncio.create_task(queue.acquire(request(4, tokens=160), False))
+    await wait_until(lambda: len(queue) == 4, "the four requests held")
+    # room for the small ones only, but the high-priority one is first: nothing passes it
+    a.observe(report("a", free_blocks=35, running=x(65), sequence=2))
+    assert queue.held_tokens() == [1280, 1280, 160, 160]
+    a.observe(report("a", free_blocks=85, running=x(15), sequence=3))  # room for it, and 5 blocks
+    assert await asyncio.wait_for(vip, 1.0) is a
+    assert queue.held_tokens() == [1280, 160, 160]
+    a.observe(report("a", free_blocks=35, running=x(65), sequence=4))  # the load does not list it yet
+    a.release("r3")  # it finished: room for the small ones, not for the large one ahead of them
+    assert await asyncio.wait_for(small, 1.0) is a and await asyncio.wait_for(later, 1.0) is a
+    assert not big.done() and queue.held_tokens() == [1280]
+    # passed for MAX_HOLD_S, a request waits in the engine's queue of the instance the policy chose
+    assert dispatcher.dispatch(request(5, tokens=1280)) is None
+    assert dispatcher.dispatch(request(5, tokens=1280), passed_s=MAX_HOLD_S) is a
+    big.cancel()
+
+
+async def test_a_draining_instance_with_nothing_to_finish_takes_no_held_request() -> None:
+    busy = (RequestLoad("x", 1500, blocks=95),)
+    parked = InstanceLoad("b", 100, 100, block_size=16, draining=True, timestamp=1.0)
+    instances = cluster(report("a", free_blocks=5, running=busy),
+                        LoadReport(parked, 0.0, 0.0, 0.0, LoadSource.CONNECTOR, 1))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    assert dispatcher.dispatch(request(1, tokens=5000)) is None
 
 
 async def test_queue_timeout_and_cancellation_release_everything() -> None:

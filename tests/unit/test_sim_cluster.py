@@ -191,3 +191,19 @@ def test_a_request_larger_than_an_instance_is_a_clear_error() -> None:
     trace = [TraceRequest(0, 0.0, 20_000, 10)]
     with pytest.raises(ValueError, match="KV capacity"):
         Cluster(trace, system("llumnix"), PROFILE, instances=2)
+
+
+def test_a_router_that_holds_a_burst_lets_small_requests_pass_a_large_one_that_does_not_fit() -> None:
+    # Two instances nearly full (about 780 of 851 blocks each); a 6,000-token prompt (375 blocks) fits
+    # on neither, the 100-token ones behind it do. Held in arrival order, they would wait for it.
+    fillers = [TraceRequest(i, 0.0, 12_000, 400) for i in range(2)]
+    large = TraceRequest(2, 5.0, 6_000, 10)  # the fillers are decoding by then
+    small = [TraceRequest(3 + i, 5.1 + i * 0.01, 100, 10) for i in range(8)]
+    cluster = Cluster([*fillers, large, *small], system("llumnix"), PROFILE, instances=2)
+    assert cluster.system.holds
+    result = cluster.run()
+    by_id = {int(r.request_id): r for r in result.requests}
+    assert all(r.finish_time > 0 for r in result.requests)
+    for t in small:
+        assert by_id[t.request_id].first_token_time - t.arrival_time < 1.0
+    assert by_id[2].first_token_time > max(by_id[t.request_id].finish_time for t in small)
