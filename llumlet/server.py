@@ -98,8 +98,10 @@ class Llumlet:
         migration_pb2_grpc.add_LlumletMigrationServicer_to_server(
             MigrationService(self.migration.source, self.migration.destination), self._grpc)
         await self._grpc.start()
+        # handler_cancellation: a client that goes away cancels its handler, which aborts the request
+        # on the engine (without it a non-streaming request runs to the end for nobody).
         self._http = web.AppRunner(HttpFront(self.admission, self.health, self.metrics, token).app(),
-                                   access_log=None, shutdown_timeout=1.0)
+                                   access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._http.setup()
         site = web.TCPSite(self._http, self.config.host, self.config.http_port)
         try:

@@ -239,6 +239,36 @@ async def test_a_burst_of_long_text_prompts_is_placed_by_their_size_as_the_engin
         (await holder).close()
 
 
+async def test_a_held_prompt_too_large_for_the_room_lets_a_small_request_pass(
+        sim_pairs: StartPairs, start_router: StartRouter) -> None:
+    """While a request sent to the llumlet directly holds 32 to 62 of the instance's 64 blocks (about
+    24 s of decoding at half the profile's speed), a 560-token prompt (35 blocks) waits in the router's
+    queue; a 20-token one sent after it is served at once instead of waiting behind it, and the large
+    one is served when the room is freed."""
+    (pair,) = await sim_pairs(1, "held", engine_args=("--num-blocks", "64", "--block-size", "16",
+                                                      "--time-scale", "0.5"))
+    router = await start_router([pair.grpc_address])
+    client = openai_client(router.url)
+    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization},
+                                     timeout=aiohttp.ClientTimeout(total=90)) as session:
+        holder = asyncio.create_task(session.post(pair.llumlet.http_url + "/v1/completions", json={
+            "model": MODEL, "prompt": [65] * 500, "max_tokens": 480, "ignore_eos": True}))
+        instance = router.instances.get(pair.grpc_address)
+        assert instance is not None
+        await wait_until(lambda: bool(instance.effective_load().running) or holder.done(),
+                         "the instance to list the holder", timeout_s=30)
+        assert not holder.done(), (await holder.result().text())
+        large = asyncio.create_task(client.completions.create(model=MODEL, prompt=[66] * 560, max_tokens=2))
+        await wait_until(lambda: len(router.queue) == 1 or large.done(), "the large prompt held")
+        small = await client.completions.create(model=MODEL, prompt=[67] * 20, max_tokens=4)
+        assert len(small.choices[0].text) == 4
+        assert not large.done() and len(router.queue) == 1, _router_view(router)
+        holder.cancel()  # its client went away: the llumlet aborts it on the engine, freeing its blocks
+        await wait_until(lambda: not any(r.prompt_tokens == 500 for r in instance.effective_load().running),
+                         "the holder aborted (it had about 20 s left to run)", timeout_s=10)
+        assert len((await large).choices[0].text) == 2
+
+
 def _router_view(router: Router) -> str:
     """What the router saw of each instance and its queue, for a failure's message."""
     views = []
