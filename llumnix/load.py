@@ -185,6 +185,18 @@ def dispatch_freeness(
     return room / max(1, batch)
 
 
+def engine_queues(load: InstanceLoad, request: RequestLoad) -> bool:
+    """Whether the instance's engine would queue `request` now: its blocks do not fit beside what the
+    instance holds and every request queued ahead of it. Unlike `dispatch_freeness` it counts no
+    high-priority headroom: that steers dispatch away from an instance, it does not stop the engine
+    from admitting a request."""
+    if load.draining:
+        return True
+    needed = load.used_blocks + load.reserved_blocks + load.queued_blocks + \
+        blocks_for_tokens(request.total_tokens, load.block_size)
+    return needed > load.total_blocks
+
+
 def dispatch_peers(load: InstanceLoad) -> tuple[int, bool, int, int]:
     """What `dispatch_freeness` depends on besides the room an instance has left. Loads with the same
     peers get, for every request, dispatch freeness in the order of their freeness for a request

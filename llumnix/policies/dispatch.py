@@ -97,22 +97,24 @@ MAX_HOLD_S = 30.0
 the instance the policy chose and waits in that engine's queue, where it is admitted in order."""
 
 
-def placement(decision: DispatchDecision | None, is_idle: Callable[[str], bool], idle: Iterable[str],
-              passed_s: float = 0.0) -> str | None:
+def placement(decision: DispatchDecision | None, engine_queues: Callable[[str], bool],
+              is_idle: Callable[[str], bool], idle: Iterable[str], passed_s: float = 0.0) -> str | None:
     """Where a request goes now; None to hold it in the router's queue until room is freed.
 
-    The decision's instance, unless every instance is busy (the request would wait in an engine's
-    queue) and that one has work to finish: then an instance with nothing to finish if there is one
-    (nothing would ever wake a held request for it, and a request too large for every instance must go
-    somewhere), else hold. Holding keeps a burst's overflow in one queue, served by whichever instance
-    frees room first, instead of behind one instance's running requests. The queue lets smaller
-    requests that fit pass a held one, so a large one could wait for ever: `MAX_HOLD_S` after it was
-    first passed (`passed_s`), it goes to the chosen instance anyway. `idle` is read only when
-    needed (instances with nothing to finish that may take requests, in preference order)."""
+    The decision's instance, unless every instance is busy and that one's engine would queue the
+    request (`engine_queues`; busy also counts the high-priority headroom, which only steers) and it
+    has work to finish: then an instance with nothing to finish if there is one (nothing would ever
+    wake a held request for it, and a request too large for every instance must go somewhere), else
+    hold. Holding keeps a burst's overflow in one queue, served by whichever instance frees room first,
+    instead of behind one instance's running requests. The queue lets smaller requests that fit pass
+    a held one, so a large one could wait for ever: `MAX_HOLD_S` after it was first passed
+    (`passed_s`), it goes to the chosen instance anyway. `idle` is read only when needed (instances
+    with nothing to finish that may take requests, in preference order)."""
     if decision is None:
         return None
-    if not decision.all_busy or passed_s >= MAX_HOLD_S or is_idle(decision.instance_id):
-        return decision.instance_id
+    chosen = decision.instance_id
+    if not decision.all_busy or passed_s >= MAX_HOLD_S or not engine_queues(chosen) or is_idle(chosen):
+        return chosen
     return next(iter(idle), None)
 
 

@@ -12,7 +12,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from llumnix.load import RequestLoad
+from llumnix.load import RequestLoad, engine_queues
 from llumnix.policies.dispatch import NO_CACHE, CachedBlocks, DispatchPolicy, dispatch_held, placement
 from llumnix.prefix_cache import block_hashes, cacheable_blocks
 from llumnix.router.errors import RouterError
@@ -56,7 +56,9 @@ class Dispatcher:
         by_id = self._by_id
         decision = self._ranking.choose(request, lambda instance_id: by_id[instance_id].dispatchable(now),
                                         self._cached_blocks(request))
-        chosen_id = placement(decision, lambda instance_id: by_id[instance_id].is_idle(),
+        chosen_id = placement(decision,
+                              lambda instance_id: engine_queues(by_id[instance_id].effective_load(), request),
+                              lambda instance_id: by_id[instance_id].is_idle(),
                               (i.instance_id for i in self._idle if i.dispatchable(now)), passed_s)
         chosen = None if chosen_id is None else by_id[chosen_id]
         if chosen is not None:

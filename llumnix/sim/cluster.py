@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llumnix.load import ClusterDemand, RequestLoad
+from llumnix.load import ClusterDemand, RequestLoad, engine_queues
 from llumnix.policies.autoscaling import decide, drained_empty, release_due
 from llumnix.policies.dispatch import dispatch_held, make_dispatch_policy, placement
 from llumnix.policies.migration import admits, pair_migrations, select_request
@@ -224,7 +224,9 @@ class Cluster:
         decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming, cached)
         if self.system.holds:
             by_id = {instance.instance_id: instance for instance in self.ready}
-            chosen = placement(decision, lambda instance_id: by_id[instance_id].num_requests == 0,
+            chosen = placement(decision,
+                               lambda instance_id: engine_queues(by_id[instance_id].snapshot(), incoming),
+                               lambda instance_id: by_id[instance_id].num_requests == 0,
                                (i.instance_id for i in self.ready if not i.draining and i.num_requests == 0),
                                self.now - self._passed_at.get(request.request_id, self.now))
         else:

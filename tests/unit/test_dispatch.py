@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.load import InstanceLoad, RequestLoad, engine_queues
 from llumnix.policies.dispatch import (
     MAX_HOLD_S,
     DispatchDecision,
@@ -112,17 +112,28 @@ def test_unknown_policy_is_a_clear_error() -> None:
         make_dispatch_policy("llumnix", top_k=0)
 
 
-def test_placement_holds_only_while_every_instance_is_busy_and_none_is_idle() -> None:
+def test_placement_holds_only_while_every_engine_would_queue_the_request_and_none_is_idle() -> None:
     free, busy = DispatchDecision("a"), DispatchDecision("a", all_busy=True)
-    never_idle, idle_b = (lambda _iid: False), ["b"]
-    assert placement(None, never_idle, idle_b) is None  # no instance at all
-    assert placement(free, never_idle, []) == "a"
-    assert placement(busy, never_idle, []) is None
-    assert placement(busy, never_idle, idle_b) == "b"  # nothing to finish there: nothing would wake it
-    assert placement(busy, lambda iid: iid == "a", idle_b) == "a"
+    queues, never_idle, idle_b = (lambda _iid: True), (lambda _iid: False), ["b"]
+    assert placement(None, queues, never_idle, idle_b) is None  # no instance at all
+    assert placement(free, queues, never_idle, []) == "a"
+    assert placement(busy, queues, never_idle, []) is None
+    assert placement(busy, queues, never_idle, idle_b) == "b"  # nothing to finish: nothing would wake it
+    assert placement(busy, queues, lambda iid: iid == "a", idle_b) == "a"
+    # busy only by the high-priority headroom: the engine would admit it now
+    assert placement(busy, lambda _iid: False, never_idle, []) == "a"
     # passed by smaller requests for long enough, it waits in the chosen engine's queue
-    assert placement(busy, never_idle, [], passed_s=MAX_HOLD_S) == "a"
-    assert placement(busy, never_idle, [], passed_s=MAX_HOLD_S - 0.1) is None
+    assert placement(busy, queues, never_idle, [], passed_s=MAX_HOLD_S) == "a"
+    assert placement(busy, queues, never_idle, [], passed_s=MAX_HOLD_S - 0.1) is None
+
+
+def test_an_engine_queues_what_does_not_fit_beside_its_requests_and_queue_headroom_aside() -> None:
+    vip = RequestLoad("vip", 160, blocks=10, high_priority=True)
+    load = InstanceLoad("a", 100, 60, 16, running=(vip, RequestLoad("r", 480, blocks=30)),
+                        waiting=(RequestLoad("w", 320),))  # 40 used, 20 queued: 40 left
+    assert not engine_queues(load, RequestLoad("fits", 640))  # 40 blocks
+    assert engine_queues(load, RequestLoad("does-not", 656))  # 41 blocks
+    assert engine_queues(InstanceLoad("d", 100, 100, 16, draining=True), RequestLoad("x", 16))
 
 
 def test_held_requests_let_smaller_ones_of_their_priority_pass_never_larger_ones() -> None:

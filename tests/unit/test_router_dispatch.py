@@ -14,7 +14,7 @@ import pytest
 from dispatch_reference import random_load, random_request, reference_choice
 from waiting import wait_until
 
-from llumnix.load import InstanceLoad, RequestLoad
+from llumnix.load import InstanceLoad, RequestLoad, engine_queues
 from llumnix.openai_stream import EndpointKind
 from llumnix.policies.dispatch import MAX_HOLD_S, ScoringPolicy, make_dispatch_policy
 from llumnix.prefix_cache import block_hashes, root_hash
@@ -175,6 +175,18 @@ async def test_a_held_request_that_does_not_fit_lets_smaller_ones_pass_for_a_whi
     big.cancel()
 
 
+async def test_the_high_priority_headroom_steers_requests_but_holds_none_the_engine_would_admit() -> None:
+    running = (RequestLoad("vip", 160, blocks=10, high_priority=True), RequestLoad("r", 1440, blocks=90))
+    instances = cluster(*(report(i, free_blocks=751, running=running, total_blocks=851) for i in "ab"))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    # Both instances keep 751 of their 851 blocks as headroom for their high-priority request, so
+    # every instance is busy for a normal request; but each engine would admit it at once: no hold.
+    decision = make_dispatch_policy("llumnix").choose([i.effective_load() for i in instances.all()], request(1))
+    assert decision is not None and decision.all_busy
+    assert dispatcher.dispatch(request(1)) is not None
+    assert dispatcher.dispatch(request(2, high=True)) is not None
+
+
 async def test_a_draining_instance_with_nothing_to_finish_takes_no_held_request() -> None:
     busy = (RequestLoad("x", 1500, blocks=95),)
     parked = InstanceLoad("b", 100, 100, block_size=16, draining=True, timestamp=1.0)
@@ -246,7 +258,8 @@ async def test_dispatch_chooses_as_the_policy_does_over_every_effective_load(nam
             r = random_request(rng, f"n{n}")
             candidates = instances.dispatchable()
             loads = [i.effective_load() for i in candidates]
-            idle = [i for i in candidates if i.is_idle()]
+            idle = [i for i in candidates if i.is_idle() and not i.effective_load().draining]
+            queues_at = {load.instance_id: engine_queues(load, r) for load in loads}
             chosen = dispatcher.dispatch(r)
             if isinstance(reference, ScoringPolicy):
                 expected = reference_choice(reference, loads, r, reference.rng)
@@ -257,7 +270,7 @@ async def test_dispatch_chooses_as_the_policy_does_over_every_effective_load(nam
                 assert chosen is None
             else:
                 by_id = {i.instance_id: i for i in candidates}
-                if expected[1] and not by_id[expected[0]].is_idle():
+                if expected[1] and queues_at[expected[0]] and not by_id[expected[0]].is_idle():
                     assert chosen in idle if idle else chosen is None
                 else:
                     assert chosen is by_id[expected[0]]
