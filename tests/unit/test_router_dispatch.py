@@ -181,7 +181,8 @@ async def test_the_high_priority_headroom_steers_requests_but_holds_none_the_eng
     dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
     # Both instances keep 751 of their 851 blocks as headroom for their high-priority request, so
     # every instance is busy for a normal request; but each engine would admit it at once: no hold.
-    decision = make_dispatch_policy("llumnix").choose([i.effective_load() for i in instances.all()], request(1))
+    loads = [i.effective_load() for i in instances.all()]
+    decision = make_dispatch_policy("llumnix").choose(loads, request(1))
     assert decision is not None and decision.all_busy
     assert dispatcher.dispatch(request(1)) is not None
     assert dispatcher.dispatch(request(2, high=True)) is not None
