@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llumnix.load import ClusterDemand, RequestLoad, engine_queues
+from llumnix.load import ClusterDemand, RequestLoad, blocks_for_tokens, engine_queues
 from llumnix.policies.autoscaling import decide, drained_empty, release_due
 from llumnix.policies.dispatch import dispatch_held, make_dispatch_policy, placement
 from llumnix.policies.migration import admits, pair_migrations, select_request
@@ -312,6 +312,8 @@ class Cluster:
             demand = instance.head_of_line_blocked_demand()
             if demand:
                 demands.append(demand)
+        # A request the router holds is blocked as an instance's head of line is.
+        demands.extend(blocks_for_tokens(request.tokens, self.engine.block_size) for request in self.pending)
         self.result.fragmentation_times.append(self.now)
         self.result.fragmentation.append(fragmented_blocks(free, demands) / total if total else 0.0)
 
