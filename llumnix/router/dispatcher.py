@@ -37,7 +37,7 @@ class Dispatcher:
         self._ranked_as: dict[Instance, str] = {}
         """The instance id each ranked instance is ranked under (a restarted llumlet may change it)."""
         self._idle: dict[Instance, None] = {}
-        """Ranked instances with nothing to finish."""
+        """Ranked instances with nothing to finish, not draining."""
         self._block_size = 0
         """Of the instances' KV blocks (one model, one block size), for hashing prompts."""
         self._hashed: tuple[str, int, list[int]] = ("", 0, [])

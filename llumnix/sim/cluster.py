@@ -256,7 +256,7 @@ class Cluster:
     def _on_tick(self, _: None, now: float) -> None:
         if self.system.migration:
             self._migration_round()
-        self._wake()  # a request held `MAX_HOLD_S` goes to the chosen instance even if no room was freed
+        self._wake()  # one passed for `MAX_HOLD_S` goes to the chosen instance even if no room was freed
         for instance in self.ready:
             instance.read_preemptions()
         self._sample_fragmentation()
