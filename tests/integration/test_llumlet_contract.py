@@ -164,10 +164,11 @@ async def _wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
 async def test_reported_blocks_match_the_engines_own_metrics(pairs: Pairs) -> None:
     async with aiohttp.ClientSession() as session:
         for pair in (pairs.a, pairs.b):
-            # The engine's scrape is compared only with loads that agree on both sides of it, while the
-            # request still runs: a decoding request takes a block every 32 tokens, and on a loaded
-            # machine the scrape, or even the first load listing the request, may come after the
-            # engine finished it (seen beside a CPU hog). Such an attempt starts over.
+            # The engine's scrape is compared with the loads on both sides of it, while the request
+            # still runs: a decoding request takes a block every 32 tokens, so on a loaded machine (a
+            # scrape can take seconds beside a CPU hog) the scrape lies between the two loads' figures.
+            # When the scrape, or even the first load listing the request, came after the engine
+            # finished it, the attempt starts over.
             for attempt in range(5):
                 body = _body(pair, _prompt(1 + attempt, 300), 700, stream=True)
                 running = asyncio.create_task(_complete(session, pair.llumlet.http_url, body))
@@ -180,14 +181,14 @@ async def test_reported_blocks_match_the_engines_own_metrics(pairs: Pairs) -> No
                 if isinstance(outcome, Exception):  # failed, rather than ended or cancelled
                     raise outcome
                 await _wait_for_load(pair, _idle, 30, "the abandoned request to leave")
-                if (_running(load) and metrics.running == 1 and after.running
-                        and after.free_blocks == load.free_blocks):
+                if _running(load) and metrics.running == 1 and after.running:
                     break
             else:
-                raise AssertionError("5 attempts: the request ended or grew during every scrape")
+                raise AssertionError("5 attempts: the request ended before every scrape")
             assert load.source == pb.LOAD_SOURCE_CONNECTOR
             assert abs(load.total_blocks - metrics.total_blocks) <= 1
-            assert abs(load.free_blocks - metrics.free_blocks) <= 1, (load.free_blocks, metrics)
+            assert after.free_blocks - 1 <= metrics.free_blocks <= load.free_blocks + 1, \
+                (load.free_blocks, after.free_blocks, metrics)
             assert load.block_size == metrics.block_size
             assert load.total_blocks - load.free_blocks >= blocks_for_tokens(300, load.block_size)
 
