@@ -23,6 +23,7 @@ from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
 from llumnix.router.client_request import RequestLimits
 from llumnix.router.instance_source import ListInstanceSource
+from llumnix.router.instances import Instance
 from llumnix.router.server import Router
 from llumnix.service_token import ServiceToken
 
@@ -216,15 +217,8 @@ async def test_a_burst_of_long_text_prompts_is_placed_by_their_size_as_the_engin
     assert router.api.prompt_sizer.bytes_per_token == pytest.approx(1.0)
     # b holds 19-25 blocks for a while: a request sent to its llumlet directly (the router only sees it
     # in b's load), 300 prompt tokens and up to 100 more.
-    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization},
-                                     timeout=aiohttp.ClientTimeout(total=90)) as session:
-        holder = asyncio.create_task(session.post(b.llumlet.http_url + "/v1/completions", json={
-            "model": MODEL, "prompt": [65] * 300, "max_tokens": 100, "ignore_eos": True}))
-        instance_b = router.instances.get(b.grpc_address)
-        assert instance_b is not None
-        await wait_until(lambda: bool(instance_b.effective_load().running) or holder.done(),
-                         "b to list the holder", timeout_s=30)
-        assert not holder.done(), (await holder.result().text())
+    async with _llumlet_session() as session:
+        holder, _ = await _hold_blocks(session, router, b, prompt_tokens=300, max_tokens=100)
         # a has room for one 600-token prompt (38 blocks of 64), b beside the holder for one more.
         before = _served(router)
         try:
@@ -249,15 +243,8 @@ async def test_a_held_prompt_too_large_for_the_room_lets_a_small_request_pass(
                                                       "--time-scale", "0.5"))
     router = await start_router([pair.grpc_address])
     client = openai_client(router.url)
-    async with aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization},
-                                     timeout=aiohttp.ClientTimeout(total=90)) as session:
-        holder = asyncio.create_task(session.post(pair.llumlet.http_url + "/v1/completions", json={
-            "model": MODEL, "prompt": [65] * 500, "max_tokens": 480, "ignore_eos": True}))
-        instance = router.instances.get(pair.grpc_address)
-        assert instance is not None
-        await wait_until(lambda: bool(instance.effective_load().running) or holder.done(),
-                         "the instance to list the holder", timeout_s=30)
-        assert not holder.done(), (await holder.result().text())
+    async with _llumlet_session() as session:
+        holder, instance = await _hold_blocks(session, router, pair, prompt_tokens=500, max_tokens=480)
         large = asyncio.create_task(client.completions.create(model=MODEL, prompt=[66] * 560, max_tokens=2))
         await wait_until(lambda: len(router.queue) == 1 or large.done(), "the large prompt held")
         small = await client.completions.create(model=MODEL, prompt=[67] * 20, max_tokens=4)
@@ -267,6 +254,26 @@ async def test_a_held_prompt_too_large_for_the_room_lets_a_small_request_pass(
         await wait_until(lambda: not any(r.prompt_tokens == 500 for r in instance.effective_load().running),
                          "the holder aborted (it had about 20 s left to run)", timeout_s=10)
         assert len((await large).choices[0].text) == 2
+
+
+def _llumlet_session() -> aiohttp.ClientSession:
+    """For requests sent to a llumlet directly, as the service's own callers do."""
+    return aiohttp.ClientSession(headers={"Authorization": SERVICE_TOKEN.authorization},
+                                 timeout=aiohttp.ClientTimeout(total=90))
+
+
+async def _hold_blocks(session: aiohttp.ClientSession, router: Router, pair: EnginePair, prompt_tokens: int,
+                       max_tokens: int) -> tuple[asyncio.Task[aiohttp.ClientResponse], Instance]:
+    """A request sent to the pair's llumlet directly (the router sees it only in the instance's load),
+    running once the router's view of the instance lists it."""
+    holder = asyncio.create_task(session.post(pair.llumlet.http_url + "/v1/completions", json={
+        "model": MODEL, "prompt": [65] * prompt_tokens, "max_tokens": max_tokens, "ignore_eos": True}))
+    instance = router.instances.get(pair.grpc_address)
+    assert instance is not None
+    await wait_until(lambda: bool(instance.effective_load().running) or holder.done(),
+                     f"{pair.grpc_address} to list the holder", timeout_s=30)
+    assert not holder.done(), (await holder.result().text())
+    return holder, instance
 
 
 def _router_view(router: Router) -> str:
