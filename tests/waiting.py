@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 POLL_S = 0.02
 T = TypeVar("T")
@@ -41,3 +41,23 @@ def wait_until_sync(condition: Callable[[], T | None], what: str, timeout_s: flo
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(POLL_S)
     return answer
+
+
+def task_stacks(limit: int = 60) -> str:
+    """Where each task of the running loop waits (its chain of awaits, innermost last), for the message
+    of a wait that timed out: with the router and the client in one loop, this names the await that
+    never ended."""
+    lines = []
+    for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name())[:limit]:
+        chain = []
+        awaited: Any = task.get_coro()
+        while awaited is not None and len(chain) < 12:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None) or \
+                getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                name = frame.f_code.co_filename.rsplit("/", 1)[-1]
+                chain.append(f"{frame.f_code.co_name}@{name}:{frame.f_lineno}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None) or \
+                getattr(awaited, "gi_yieldfrom", None)
+        lines.append(f"{task.get_name()}: {' > '.join(chain) or 'done'}")
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ import pytest_asyncio
 from sdk_client import openai_client
 from serve_adapter import serve_from_generate
 from service_auth import authenticated_channel
+from waiting import task_stacks
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
@@ -66,7 +67,7 @@ def serving(router: Router) -> str:
 
 def where_they_are(router: Router, readers: list[asyncio.Task[str]], started: list[asyncio.Event]) -> str:
     """Where requests that have not started are (a fresh-clone run saw 2 of 6 streams get no headers)."""
-    lines = [f"queued in the router: {len(router.queue)}"]
+    lines = [f"queued in the router: {len(router.queue)}, in its API: {router.api.in_flight}"]
     lines += [f"reader {i}: started={event.is_set()} done={task.done()}"
               f"{' ' + repr(task.exception()) if task.done() and task.exception() else ''}"
               for i, (task, event) in enumerate(zip(readers, started, strict=True))]
@@ -74,6 +75,7 @@ def where_they_are(router: Router, readers: list[asyncio.Task[str]], started: li
         load = instance.report.load if instance.report is not None else None
         lines.append(f"{instance.address}: pending={sorted(instance.pending)} "
                      f"in_flight={sorted(instance.in_flight)} load={load}")
+    lines.append(task_stacks())
     return "\n".join(lines)
 
 
