@@ -222,11 +222,10 @@ class Cluster:
         )
         cached = self._cached_blocks(request)
         decision = self.dispatcher.choose([instance.snapshot() for instance in self.ready], incoming, cached)
-        if self.system.holds:
-            by_id = {instance.instance_id: instance for instance in self.ready}
+        if self.system.holds:  # the callbacks run only when every instance is busy
             chosen = placement(decision,
-                               lambda instance_id: engine_queues(by_id[instance_id].snapshot(), incoming),
-                               lambda instance_id: by_id[instance_id].num_requests == 0,
+                               lambda iid: engine_queues(self._ready(iid).snapshot(), incoming),
+                               lambda iid: self._ready(iid).num_requests == 0,
                                (i.instance_id for i in self.ready if not i.draining and i.num_requests == 0),
                                self.now - self._passed_at.get(request.request_id, self.now))
         else:
@@ -236,10 +235,13 @@ class Cluster:
         self._passed_at.pop(request.request_id, None)
         request.best_cached_blocks = max(cached.values(), default=0)
         request.dispatched_cached_blocks = cached.get(chosen, 0)
-        instance = next(i for i in self.ready if i.instance_id == chosen)
+        instance = self._ready(chosen)
         instance.enqueue(request)
         self._kick(instance)
         return True
+
+    def _ready(self, instance_id: str) -> SimInstance:
+        return next(i for i in self.ready if i.instance_id == instance_id)
 
     def _hold(self, request: SimRequest) -> None:
         """Queue it here until an instance can take it: high priority first, then arrival (the
