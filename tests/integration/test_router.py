@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from sdk_client import openai_client
 from service_auth import SERVICE_TOKEN
-from waiting import task_stacks, wait_until
+from waiting import connection_queues, task_stacks, unwatched_selector_fds, wait_until
 
 from llumnix.control.router_queues import RouterQueues
 from llumnix.held_demand import HELD_DEMAND_PATH
@@ -287,8 +287,9 @@ def _router_view(router: Router) -> str:
         views.append(f"{instance.address}: dispatchable={instance.dispatchable()} idle={instance.is_idle()} "
                      f"pending={sorted(instance.pending)} in_flight={sorted(instance.in_flight)} "
                      f"ended={sorted(instance.ended)} load={load}")
-    return (f"queue={len(router.queue)} api in_flight={router.api.in_flight}; " + "; ".join(views)
-            + "\n" + task_stacks())
+    return (f"queue={len(router.queue)} api in_flight={router.api.in_flight} served={dict(_served(router))}; "
+            + "; ".join(views) + f"\n{connection_queues(router.port)}\n{unwatched_selector_fds()}\n"
+            + task_stacks())
 
 
 def _served(router: Router) -> collections.Counter[str]:

@@ -16,7 +16,7 @@ import pytest_asyncio
 from sdk_client import openai_client
 from serve_adapter import serve_from_generate
 from service_auth import authenticated_channel
-from waiting import task_stacks
+from waiting import connection_queues, task_stacks, unwatched_selector_fds
 
 from llumnix.launch.pair import EnginePair
 from llumnix.router.api import ApiSettings
@@ -75,7 +75,7 @@ def where_they_are(router: Router, readers: list[asyncio.Task[str]], started: li
         load = instance.report.load if instance.report is not None else None
         lines.append(f"{instance.address}: pending={sorted(instance.pending)} "
                      f"in_flight={sorted(instance.in_flight)} load={load}")
-    lines.append(task_stacks())
+    lines += [connection_queues(router.port), unwatched_selector_fds(), task_stacks()]
     return "\n".join(lines)
 
 
