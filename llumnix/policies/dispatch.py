@@ -47,6 +47,17 @@ POLICY_NAMES = ("llumnix", "infaas++", "round-robin", "least-requests")
 DEFAULT_BUSY_FREENESS = 0.0
 """Below this freeness an instance is busy: a new request would wait in its queue."""
 
+QUEUED_HEADROOM = 3.0
+"""On an instance with requests in its queue, llumnix dispatch counts headroom above the busy threshold
+in full only up to this many blocks per request, and beyond it at `QUEUED_HEADROOM_SLOPE`
+(`queue_freeness`). 3 is the freeness below which migration takes requests off an instance
+(`MigrationConfig.freeness_threshold`)."""
+
+QUEUED_HEADROOM_SLOPE = 1e-3
+"""What a block per request of headroom beyond `QUEUED_HEADROOM` counts on an instance with a queue:
+enough to keep such instances in order, little enough that any instance without a queue and more
+than `QUEUED_HEADROOM` wins."""
+
 DEFAULT_PREFIX_WEIGHT = 2.0
 """How much llumnix dispatch values the prefill a cache hit saves (`prefix_freeness`); 0: caches are
 ignored."""
@@ -462,6 +473,36 @@ def _same(a: float, b: float) -> bool:
     return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
 
 
+def queue_freeness(
+    load: InstanceLoad,
+    request: RequestLoad | None,
+    config: LoadModelConfig = DEFAULT_LOAD_MODEL,
+    cached_blocks: float = 0.0,
+    busy_freeness: float = DEFAULT_BUSY_FREENESS,
+) -> float:
+    """llumnix's dispatch score: `dispatch_freeness`, except that while an instance has a queue its
+    headroom above the busy threshold counts in full only up to `QUEUED_HEADROOM`.
+
+    A request sent behind a queue starts after the queued prefills, however much memory is free. An
+    instance that just got a long prompt has a queue and, until that prompt runs, plenty of free
+    memory: without this it would draw the next requests of a burst, which would then wait for that
+    prefill while other instances have room (measured in the simulator: docs/reproduction.md,
+    "Dispatch behind a queue"). The map is increasing and concave (slope 1, then
+    `QUEUED_HEADROOM_SLOPE`), so queued instances keep their order, busy stays busy, and peers of
+    equal queue state (`queue_peers`) keep the order and spacing the ranking relies on."""
+    score = dispatch_freeness(load, request, config, cached_blocks)
+    excess = score - busy_freeness - QUEUED_HEADROOM
+    if excess <= 0 or not load.waiting:
+        return score
+    return busy_freeness + QUEUED_HEADROOM + excess * QUEUED_HEADROOM_SLOPE
+
+
+def queue_peers(load: InstanceLoad) -> Hashable:
+    """`dispatch_peers`, split by whether the instance has a queue (`queue_freeness` compresses only
+    the queued ones)."""
+    return (*dispatch_peers(load), bool(load.waiting))
+
+
 def prefix_freeness(
     load: InstanceLoad,
     request: RequestLoad | None,
@@ -477,7 +518,7 @@ def prefix_freeness(
     counts 1 + `weight` x (share of the prompt cached) times: with 90% of the prompt cached and weight
     1, another instance wins only with 1.9x the headroom. Below the threshold nothing changes: a hit
     never makes a busy instance look free, and the request still goes where memory is."""
-    score = dispatch_freeness(load, request, config, cached_blocks)
+    score = queue_freeness(load, request, config, cached_blocks, busy_freeness)
     if score < busy_freeness or request is None or request.prompt_tokens <= 0:
         return score
     share = min(1.0, cached_blocks * load.block_size / request.prompt_tokens)
@@ -500,9 +541,9 @@ def make_dispatch_policy(
     if name == "llumnix":
         return ScoringPolicy(
             "llumnix",
-            score=lambda load, request: dispatch_freeness(load, request, load_model),
-            bound=lambda load: dispatch_freeness(load, NO_TOKENS, load_model),
-            peers=dispatch_peers,
+            score=lambda load, request: queue_freeness(load, request, load_model, 0.0, busy_freeness),
+            bound=lambda load: queue_freeness(load, NO_TOKENS, load_model, 0.0, busy_freeness),
+            peers=queue_peers,
             is_busy=lambda score: score < busy_freeness,
             top_k=top_k,
             rng=rng,

@@ -31,6 +31,23 @@ def test_llumnix_picks_highest_freeness() -> None:
     assert decision is not None and decision.instance_id == "a" and not decision.all_busy
 
 
+def test_llumnix_sends_a_request_where_nothing_queues_ahead_of_it() -> None:
+    """`long` just got a 6,000-token prompt (375 of its 1,000 blocks), queued until its next step;
+    `short` has less memory and no queue. By freeness alone the next request would go to `long`,
+    (996 - 375 - 1) / 6 = 103 against (300 - 1) / 3 = 99.7, and wait there for that prefill."""
+    long = inst("long", total=1000, free=996, n_running=4, waiting_tokens=[6000])
+    short = inst("short", total=1000, free=300, n_running=2)
+    small = RequestLoad("next", 16)
+    policy = make_dispatch_policy("llumnix")
+    assert policy.choose([long, short], small).instance_id == "short"
+    # An instance without a queue but with less than QUEUED_HEADROOM, (4 - 1) / 3 = 1, does not win.
+    cramped = inst("cramped", total=1000, free=4, n_running=2)
+    assert policy.choose([long, cramped], small).instance_id == "long"
+    # Among queued instances the freer still wins.
+    shorter_queue = inst("shorter", total=1000, free=996, n_running=4, waiting_tokens=[160])
+    assert policy.choose([long, shorter_queue], small).instance_id == "shorter"
+
+
 def test_infaas_picks_lowest_memory_load_counting_queue() -> None:
     assert make_dispatch_policy("infaas++").choose([A, B]).instance_id == "b"
     # A queue of 20 blocks on b makes its memory load 0.6 > 0.5.
