@@ -210,7 +210,7 @@ def test_dispatch_never_picks_a_draining_or_ineligible_instance(
 
 
 @given(loads=clusters(), request=st.none() | new_requests, seed=st.integers(0, 2**16), data=st.data())
-def test_llumnix_dispatch_picks_the_freest_and_a_kept_ranking_agrees_with_a_fresh_one(
+def test_llumnix_dispatch_picks_the_best_score_and_a_kept_ranking_agrees_with_a_fresh_one(
     loads: list[InstanceLoad], request: RequestLoad | None, seed: int, data: st.DataObject
 ) -> None:
     # Instances holding part of the prompt in their prefix cache are scored with the hit; the others

@@ -44,6 +44,22 @@ def request(i: int, tokens: int = 160, high: bool = False) -> RequestLoad:
     return RequestLoad(f"r{i}", tokens, high_priority=high)
 
 
+async def test_a_request_after_a_long_prompt_goes_where_nothing_queues_ahead_of_it() -> None:
+    """The router's own pending requests count as queued: right after a 6,000-token prompt (375 of
+    1,000 blocks) went to the roomiest instance, a short request goes to an instance without a queue
+    rather than wait there for that prefill, though by freeness alone the roomy one is still freer:
+    (1000 - 4 - 375 - 1) / 6 = 103 against (1000 - 700 - 1) / 3 = 99.7."""
+    def running(instance_id: str, count: int) -> tuple[RequestLoad, ...]:
+        return tuple(RequestLoad(f"{instance_id}-r{k}", 16, blocks=1) for k in range(count))
+
+    instances = cluster(report("roomy", free_blocks=996, running=running("roomy", 4), total_blocks=1000),
+                        report("snug", free_blocks=300, running=running("snug", 2), total_blocks=1000))
+    dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
+    long, short = dispatcher.dispatch(request(0, tokens=6000)), dispatcher.dispatch(request(1, tokens=16))
+    assert long is not None and long.instance_id == "roomy"
+    assert short is not None and short.instance_id == "snug"
+
+
 async def test_a_burst_spreads_over_instances_before_any_load_shows_it() -> None:
     instances = cluster(*(report(f"i{k}") for k in range(4)))
     dispatcher = Dispatcher(make_dispatch_policy("llumnix"), instances)
