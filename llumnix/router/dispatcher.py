@@ -81,7 +81,7 @@ class Dispatcher:
         return index.cached_blocks(hashes)
 
     def _rerank(self, instance: Instance) -> None:
-        load = None if instance.removed or instance.report is None else instance.effective_load()
+        load = None if instance.removed or not instance.has_engine_load() else instance.effective_load()
         ranked_as = self._ranked_as.get(instance)
         if ranked_as is not None and (load is None or load.instance_id != ranked_as):
             del self._ranked_as[instance]

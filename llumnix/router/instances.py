@@ -50,9 +50,15 @@ class Instance(LlumletConnection):
         self._effective: InstanceLoad | None = None
         """`effective_load()` until the load or the pending requests change."""
 
+    def has_engine_load(self) -> bool:
+        """Whether the latest load is the engine's: until its engine first reports, a llumlet sends a
+        placeholder with no memory and no block size, against which nothing can be dispatched."""
+        return self.report is not None and self.report.load.block_size > 0
+
     def dispatchable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        return not self.removed and self.connected(now) and now >= self.unavailable_until
+        return not self.removed and self.connected(now) and self.has_engine_load() \
+            and now >= self.unavailable_until
 
     def mark_unavailable(self) -> None:
         self.unavailable_until = time.monotonic() + UNAVAILABLE_COOLDOWN_S

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -22,7 +23,8 @@ from llumnix.router.dispatcher import Dispatcher, DispatchQueue
 from llumnix.router.errors import RouterError
 from llumnix.router.instances import Instance, InstanceSet
 from llumnix.router.prompt_ids import PromptTokens
-from llumnix.wire import LoadReport, LoadSource
+from llumnix.v1 import llumlet_pb2
+from llumnix.wire import LoadReport, LoadSource, report_from_proto, source_to_proto
 
 
 def report(instance_id: str, free_blocks: int = 100, running: tuple[RequestLoad, ...] = (),
@@ -58,6 +60,24 @@ async def test_a_request_after_a_long_prompt_goes_where_nothing_queues_ahead_of_
     long, short = dispatcher.dispatch(request(0, tokens=6000)), dispatcher.dispatch(request(1, tokens=16))
     assert long is not None and long.instance_id == "roomy"
     assert short is not None and short.instance_id == "snug"
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "llumnix"])
+async def test_a_llumlet_whose_engine_has_not_reported_gets_no_request(policy: str) -> None:
+    """Until its engine first reports, a llumlet streams a placeholder load (no memory, no block size;
+    `llumlet.grpc_service`). A request is held rather than reserved against it (reserving one made
+    the router divide by the block size 0 and answer 500), and goes there once the engine reports."""
+    placeholder = report_from_proto(llumlet_pb2.InstanceLoad(
+        instance_id="i0", freeness=-math.inf, virtual_usage=math.inf, snapshot_age_s=math.inf,
+        source=source_to_proto(LoadSource.METRICS_FALLBACK), timestamp=1.0))
+    instances = cluster(placeholder)
+    (instance,) = instances.all()
+    assert not instance.dispatchable() and not instances.dispatchable()
+    dispatcher = Dispatcher(make_dispatch_policy(policy), instances)
+    assert dispatcher.dispatch(request(0)) is None
+    instance.observe(report("i0", sequence=2))
+    chosen = dispatcher.dispatch(request(1))
+    assert chosen is instance and instance.dispatchable()
 
 
 async def test_a_burst_spreads_over_instances_before_any_load_shows_it() -> None:
