@@ -8,7 +8,8 @@ restarted loop over the same instances adopts them and changes nothing. Each pas
    (`fleet`); stop and replace FAILED ones and those not READY within the start-up grace, release
    drained instances once empty (or after the drain timeout), start or drain instances until the
    serving count meets the target (`reconcile`, `drains`, `replacement`).
-2. migrate (every migration interval): `pair_migrations` and `MigrateOut` (`migration_pass`).
+2. migrate (every migration interval): `pair_migrations` over the loads with the routers' held requests
+   queued where they would go (`with_held_requests`), and `MigrateOut` (`migration_pass`).
 3. autoscale (every autoscaling interval, when enabled): `autoscaling.decide` moves the target
    (`autoscaling_pass`).
 
@@ -38,6 +39,7 @@ from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import ControlEvent, InstanceStatus, ServiceStatus
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import aggregate_freeness, freeness
+from llumnix.policies.migration import with_held_requests
 from llumnix.service_spec import ServiceSettings
 from llumnix.v1 import migration_pb2 as mpb
 
@@ -55,7 +57,8 @@ class ControlLoop:
                  drain_timeout_s: float = 600.0) -> None:
         """`connect(address)` makes a llumlet connection (not started); `on_addresses` receives the
         READY instances' llumlet addresses whenever they change (local mode's router follows it);
-        `router_queues`: the service's routers, whose held requests the autoscaler counts."""
+        `router_queues`: the service's routers, whose held requests the autoscaler and the migration pass
+        count."""
         self.settings = settings
         self.clock = clock
         self.reconcile_interval_s = reconcile_interval_s
@@ -118,7 +121,7 @@ class ControlLoop:
                         await self.reconcile()
                         next_reconcile = now + self.reconcile_interval_s
                     if self.settings.spec.migration.enabled:
-                        self.migrate_pass()
+                        await self.migrate_pass()
                     if self.settings.spec.autoscaling.enabled and now >= next_autoscale:
                         await self.autoscale()
                         next_autoscale = now + self.settings.spec.autoscaling.interval_s
@@ -196,9 +199,11 @@ class ControlLoop:
                 and len(self._fleet.instances) >= self.desired:
             self._backoff.all_serving()
 
-    def migrate_pass(self) -> None:
-        """Pair sources with destinations and start one MigrateOut per free source."""
-        self._migrations.run(self._fleet.loads(), self.settings)
+    async def migrate_pass(self) -> None:
+        """Pair sources with destinations and start one MigrateOut per free source; the requests the
+        routers hold count as queued where they would go (`with_held_requests`)."""
+        held = await self._router_queues.held_tokens() if self._router_queues is not None else []
+        self._migrations.run(with_held_requests(self._fleet.loads(), held), self.settings)
 
     async def autoscale(self) -> None:
         """One autoscaling decision; it moves the target (reconcile starts, drains and releases)."""

@@ -80,6 +80,27 @@ def _busy(load: InstanceLoad, config: MigrationConfig) -> bool:
     return load.migrating_out + load.migrating_in >= config.max_concurrent_per_instance
 
 
+def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]) -> list[InstanceLoad]:
+    """The loads with the requests the routers hold queued on them as engines' queues would hold them:
+    each held request (`held_tokens`: the tokens each needs, in the order the routers offer them) at a
+    different serving instance, the instances with the most room left first.
+
+    A held request is in no instance's load. Pairing without it sees the instance whose finishing
+    requests free room for a held request as free, moves requests into it and fills that room; with
+    it, the held request is that instance's head of line and counts in its virtual usage, as a queued
+    request does (paper §4.4.2): the instance is no destination, and while its freeness is low it is a
+    source, whose requests moving out free the room sooner (docs/reproduction.md, "Migration while the
+    router holds requests")."""
+    if not held_tokens:
+        return list(loads)
+    by_room = sorted((load for load in loads if not load.draining),
+                     key=lambda load: (load.queued_blocks + load.reserved_blocks - load.free_blocks,
+                                       load.instance_id))
+    queued = {load.instance_id: replace(load, waiting=(*load.waiting, RequestLoad(f"held-{at}", tokens)))
+              for at, (tokens, load) in enumerate(zip(held_tokens, by_room, strict=False))}
+    return [queued.get(load.instance_id, load) for load in loads]
+
+
 def pair_migrations(
     loads: Sequence[InstanceLoad],
     config: MigrationConfig = MigrationConfig(),

@@ -26,7 +26,7 @@ from typing import Any
 from llumnix.load import ClusterDemand, RequestLoad, blocks_for_tokens, engine_queues
 from llumnix.policies.autoscaling import decide, drained_empty, release_due
 from llumnix.policies.dispatch import dispatch_held, make_dispatch_policy, placement
-from llumnix.policies.migration import admits, pair_migrations, select_request
+from llumnix.policies.migration import admits, pair_migrations, select_request, with_held_requests
 from llumnix.prefix_cache import PrefixIndex, block_hashes, cacheable_blocks
 from llumnix.profile import LatencyProfile
 from llumnix.sim.instance import EngineConfig, SimInstance
@@ -266,7 +266,8 @@ class Cluster:
             self._push(now + self.config.migration_interval_s, self._on_tick)
 
     def _migration_round(self) -> None:
-        loads = [instance.snapshot() for instance in self.ready]
+        held = [request.tokens for request in self.pending] if self.system.holds else []
+        loads = with_held_requests([instance.snapshot() for instance in self.ready], held)
         by_id = {instance.instance_id: instance for instance in self.ready}
         load_by_id = {load.instance_id: load for load in loads}
         for pair in pair_migrations(loads, self.config.migration, self.config.load_model):

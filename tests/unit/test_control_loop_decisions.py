@@ -170,9 +170,9 @@ async def test_migration_pairs_an_overloaded_source_with_the_freest_one_in_fligh
     h.load("i0", *(request(f"r{k}", 24, arrival=k) for k in range(4)))  # 4 free blocks over 4 requests
     h.load("i1")
     h.llumlets["i0"].hold = asyncio.Event()
-    h.loop.migrate_pass()
+    await h.loop.migrate_pass()
     await asyncio.sleep(0)
-    h.loop.migrate_pass()
+    await h.loop.migrate_pass()
     await asyncio.sleep(0)
     assert len(h.migrations) == 1
     source, sent = h.migrations[0]
@@ -180,8 +180,43 @@ async def test_migration_pairs_an_overloaded_source_with_the_freest_one_in_fligh
     assert sent.select == mpb.MIGRATION_SELECT_LAST_COME and sent.request_id == ""
     h.llumlets["i0"].hold.set()
     await wait_until(lambda: h.loop.status().migrations == {"committed": 1}, "the held migration committed")
-    h.loop.migrate_pass()
+    await h.loop.migrate_pass()
     await wait_until(lambda: len(h.migrations) == 2, "a second migration once the first ended")
+
+
+async def test_migration_leaves_the_room_a_request_held_by_the_router_waits_for() -> None:
+    # A router with no instance of its own holds every request it gets.
+    token = ServiceToken.generate()
+    router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token,
+                                 shutdown_grace_s=0.1), ListInstanceSource([]))
+    await router.start()
+
+    async def router_urls() -> list[str]:
+        return [router.url]
+
+    h = Harness(settings(), router_queues=RouterQueues(router_urls, token))
+    async with aiohttp.ClientSession() as session:
+        try:
+            await h.bring_up()
+            h.load("i0", *(request(f"c{k}", 23) for k in range(4)))  # freeness 8 / 4 = 2: a source
+            h.load("i1", *(request(f"r{k}", 10) for k in range(3)))  # 70 / 3 = 23: a destination
+            body = {"model": "m", "prompt": [7] * 1700, "max_tokens": 4}  # 107 blocks: fits nowhere
+            held = asyncio.create_task(session.post(router.url + "/v1/completions", json=body))
+            await wait_until(lambda: len(router.queue) == 1, "the router holds the request")
+            # It waits for i1's room, which a request moved in would take: (100 - 30 - 107) / 4 < 3.
+            await h.loop.migrate_pass()
+            await asyncio.sleep(0)
+            assert h.migrations == []
+        finally:
+            await router.shutdown()  # the held request gets a 503
+        async with await held as response:
+            assert response.status == 503
+    try:
+        await h.loop.migrate_pass()  # nothing held now (the router is gone): i0 moves a request to i1
+        await wait_until(lambda: h.migrations, "a migration once nothing is held")
+        assert [(source, sent.destination_instance_id) for source, sent in h.migrations] == [("i0", "i1")]
+    finally:
+        await h.loop.close()
 
 
 async def test_a_draining_instance_is_a_migration_source() -> None:
@@ -189,7 +224,7 @@ async def test_a_draining_instance_is_a_migration_source() -> None:
     await h.bring_up()
     h.load("i0", request("a", 5))
     await h.loop.drain("i0")
-    h.loop.migrate_pass()
+    await h.loop.migrate_pass()
     await wait_until(lambda: h.migrations, "a migration out of the draining instance")
     assert [(s, r.destination_instance_id) for s, r in h.migrations] == [("i0", "i1")]
 
@@ -202,7 +237,7 @@ async def test_migration_errors_are_counted_and_the_loop_goes_on() -> None:
                                  "not here")
     h.llumlets["i0"].migrate_result = error
     for attempt in range(1, 3):
-        h.loop.migrate_pass()
+        await h.loop.migrate_pass()
         await wait_until(lambda attempt=attempt: h.loop.status().migrations.get("unsupported") == attempt,
                          f"failed migration {attempt} counted")
     assert h.loop.status().migrations == {"unsupported": 2}
@@ -328,8 +363,8 @@ async def test_autoscaling_starts_what_rising_demand_needs_one_start_up_ahead(bl
 async def test_autoscaling_counts_the_requests_a_router_holds() -> None:
     # A router with no instance of its own holds every request it gets: six of 160 tokens (10 blocks).
     token = ServiceToken.generate()
-    router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token),
-                    ListInstanceSource([]))
+    router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token,
+                                 shutdown_grace_s=0.1), ListInstanceSource([]))
     await router.start()
 
     async def router_urls() -> list[str]:

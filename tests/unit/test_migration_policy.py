@@ -11,6 +11,7 @@ from llumnix.policies.migration import (
     migratable,
     pair_migrations,
     select_request,
+    with_held_requests,
 )
 
 
@@ -164,3 +165,31 @@ def test_a_chosen_threshold_above_the_destination_bound_raises_the_bound() -> No
     raised = MigrationConfig.with_threshold(1e9, "shortest", 2)
     assert raised.destination_freeness == raised.freeness_threshold == 1e9
     assert (raised.select, raised.max_concurrent_per_instance) == ("shortest", 2)
+
+
+def test_held_requests_queue_one_per_instance_where_most_room_is_left() -> None:
+    a = loaded("a", 60)
+    b = loaded("b", 80, reserved_blocks=30)  # 50 blocks left for a new request
+    c = inst("c", free=90, running=[r("c1")], waiting=[r("cw", tokens=320)])  # 20 blocks queued: 70 left
+    d = inst("d", free=95, running=[r("d1")], draining=True)
+    held = with_held_requests([a, b, c, d], [480, 64, 16, 16])
+    assert [load.instance_id for load in held] == ["a", "b", "c", "d"]
+    # In the routers' order: the first held request to the instance with the most room (c), the second
+    # to the next (a), the third to b; the draining instance gets none, and neither does the fourth.
+    assert [[w.prompt_tokens for w in load.waiting] for load in held] == [[64], [16], [320, 480], []]
+    assert with_held_requests([a, b], []) == [a, b]
+
+
+def test_the_instance_a_held_request_waits_for_is_a_source_and_no_destination() -> None:
+    # Without held requests the crowded instance moves a request to the one with room.
+    crowded = inst("crowded", free=8, running=[r(f"c{k}", blocks=23) for k in range(4)])  # F = 2
+    roomy = inst("roomy", free=70, running=[r(f"r{k}", blocks=10) for k in range(3)])  # F = 23.3
+    assert pair_migrations([crowded, roomy]) == [MigrationPair("crowded", "roomy")]
+    # A held 1,700-token request (107 blocks) fits nowhere and waits for roomy's room, which a request
+    # moved in would take: roomy is no destination now, F = (100 - 30 - 107) / 4 < 3.
+    assert pair_migrations(with_held_requests([crowded, roomy], [1700])) == []
+    # With a roomier instance the held request waits there instead; its one request moving out frees
+    # the room, and roomy, where nothing waits, takes it.
+    roomier = inst("roomier", free=98, running=[r("x", blocks=2)])
+    assert pair_migrations(with_held_requests([crowded, roomy, roomier], [1700])) == [
+        MigrationPair("roomier", "roomy")]
