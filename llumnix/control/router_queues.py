@@ -1,6 +1,7 @@
 """The requests the service's routers hold (`llumnix.held_demand`), read before each autoscaling
-decision: a router holds requests while every instance is busy, and held ones are in no instance's
-load, so without them a burst the routers absorb would look like a service with room to spare."""
+decision and each migration pass: a router holds requests while every instance is busy, and held
+ones are in no instance's load, so without them a burst the routers absorb would look like a service
+with room to spare, and migration would fill the room a held request waits for."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ STALE_S = 10.0
 """A router that did not answer in time counts its last answer if it is at most this old: a router
 too busy to answer is the one most likely holding requests (seen under a CPU hog). One that refuses
 the connection (gone) or the read counts nothing."""
+LISTING_TTL_S = 5.0
+"""How long a listing of the routers is reused: the migration pass reads the held requests every
+migration interval (100 ms by default), and the operator lists router pods through the Kubernetes API.
+A router that started since is counted at most this late."""
 
 
 class RouterQueues:
@@ -38,18 +43,23 @@ class RouterQueues:
         """Routers whose last read failed (logged once until they answer again)."""
         self._answers: dict[str, tuple[float, list[int]]] = {}
         """Router -> when it last answered, and what."""
+        self._listing: tuple[float, Sequence[str]] | None = None
+        """When the routers were last listed, and the addresses."""
 
     async def held_tokens(self) -> list[int]:
         """Every router's held requests (the tokens each needs). A router that does not answer in time
         adds its last answer while that is recent (`STALE_S`), one that cannot be read adds none."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=READ_TIMEOUT_S))
-        try:
-            addresses = await self._addresses()
-        except Exception as exc:  # the API server's hiccup must not hold up the decision
-            logger.warning("cannot list the routers; counting no held request",
-                           extra={"error": str(exc) or type(exc).__name__})
-            return []
+        now = self._clock()
+        if self._listing is None or now - self._listing[0] >= LISTING_TTL_S:
+            try:
+                self._listing = (now, await self._addresses())
+            except Exception as exc:  # the API server's hiccup must not hold up the decision
+                logger.warning("cannot list the routers; counting no held request",
+                               extra={"error": str(exc) or type(exc).__name__})
+                return []
+        addresses = self._listing[1]
         for gone in self._answers.keys() - set(addresses):
             del self._answers[gone]
         held: list[int] = []

@@ -10,7 +10,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from llumnix.control.router_queues import STALE_S, RouterQueues
+from llumnix.control.router_queues import LISTING_TTL_S, STALE_S, RouterQueues
 from llumnix.held_demand import CONTENT_TYPE, HELD_DEMAND_PATH, held_demand_to_bytes
 from llumnix.launch.pair import free_port
 
@@ -24,6 +24,28 @@ async def test_routers_that_cannot_be_listed_add_no_held_request(caplog: pytest.
         assert await queues.held_tokens() == []
     assert "cannot list the routers" in caplog.text
     await queues.close()
+
+
+async def test_the_routers_are_listed_again_only_after_the_listing_ttl() -> None:
+    listings = 0
+    now = [100.0]
+
+    async def routers() -> list[str]:  # the operator asks the Kubernetes API for the router pods
+        nonlocal listings
+        listings += 1
+        return []
+
+    queues = RouterQueues(routers, None, clock=lambda: now[0])
+    try:
+        for _ in range(3):  # the migration pass reads every 100 ms
+            assert await queues.held_tokens() == []
+            now[0] += 0.1
+        assert listings == 1
+        now[0] += LISTING_TTL_S
+        await queues.held_tokens()
+        assert listings == 2
+    finally:
+        await queues.close()
 
 
 async def _router(body: bytes, answers: int) -> tuple[web.AppRunner, str, asyncio.Event]:
