@@ -12,6 +12,9 @@ destination's last headroom, the next burst of arrivals queues there instead of 
 cluster, kept free of preemptions, has no slack left), and the destination becomes a source itself a
 few dozen decode steps later. A destination must stay free after the move, by the autoscaler's
 measure of a short instance (docs/simulator.md, "The migration rule").
+
+Requests the routers hold are in no instance's load; `with_held_requests` queues them where they would
+go before pairing, so migration does not fill the room they wait for.
 """
 
 from __future__ import annotations
