@@ -184,8 +184,9 @@ async def test_migration_pairs_an_overloaded_source_with_the_freest_one_in_fligh
     await wait_until(lambda: len(h.migrations) == 2, "a second migration once the first ended")
 
 
-async def test_migration_leaves_the_room_a_request_held_by_the_router_waits_for() -> None:
-    # A router with no instance of its own holds every request it gets.
+async def holding_router() -> tuple[Router, RouterQueues]:
+    """A started router with no instance of its own (it holds every request it gets), and the control
+    loop's reader of its held requests."""
     token = ServiceToken.generate()
     router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token,
                                  shutdown_grace_s=0.1), ListInstanceSource([]))
@@ -194,7 +195,12 @@ async def test_migration_leaves_the_room_a_request_held_by_the_router_waits_for(
     async def router_urls() -> list[str]:
         return [router.url]
 
-    h = Harness(settings(), router_queues=RouterQueues(router_urls, token))
+    return router, RouterQueues(router_urls, token)
+
+
+async def test_migration_leaves_the_room_a_request_held_by_the_router_waits_for() -> None:
+    router, queues = await holding_router()
+    h = Harness(settings(), router_queues=queues)
     async with aiohttp.ClientSession() as session:
         try:
             await h.bring_up()
@@ -361,17 +367,9 @@ async def test_autoscaling_starts_what_rising_demand_needs_one_start_up_ahead(bl
 
 
 async def test_autoscaling_counts_the_requests_a_router_holds() -> None:
-    # A router with no instance of its own holds every request it gets: six of 160 tokens (10 blocks).
-    token = ServiceToken.generate()
-    router = Router(RouterConfig(api=ApiSettings(model="m"), host="127.0.0.1", port=0, service_token=token,
-                                 shutdown_grace_s=0.1), ListInstanceSource([]))
-    await router.start()
-
-    async def router_urls() -> list[str]:
-        return [router.url]
-
+    router, queues = await holding_router()  # it will hold six requests of 160 tokens (10 blocks)
     service = settings(instances={"min": 2, "max": 6}, replicas=2, autoscaling={"enabled": True})
-    h = Harness(service, router_queues=RouterQueues(router_urls, token))
+    h = Harness(service, router_queues=queues)
     async with aiohttp.ClientSession() as session:
 
         async def complete() -> int:
