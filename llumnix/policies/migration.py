@@ -91,9 +91,9 @@ def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]
     A held request is in no instance's load. Pairing without it sees the instance whose finishing
     requests free room for a held request as free, moves requests into it and fills that room; with
     it, the held request is that instance's head of line and counts in its virtual usage, as a queued
-    request does (paper §4.4.2): the instance is no destination, and while its freeness is low it is a
-    source, whose requests moving out free the room sooner (docs/reproduction.md, "Migration while the
-    router holds requests")."""
+    request does: the instance is no destination, and while its freeness is low it is a source, whose
+    requests moving out free the room sooner (docs/reproduction.md, "Migration while the router holds
+    requests")."""
     if not held_tokens:
         return list(loads)
     by_room = sorted((load for load in loads if not load.draining),
