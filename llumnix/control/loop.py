@@ -39,7 +39,7 @@ from llumnix.control.router_queues import RouterQueues
 from llumnix.control.status import ControlEvent, InstanceStatus, ServiceStatus
 from llumnix.llumlet_client import LlumletConnection
 from llumnix.load import aggregate_freeness, freeness
-from llumnix.policies.migration import with_held_requests
+from llumnix.policies.migration import held_requests_apply, with_held_requests
 from llumnix.service_spec import ServiceSettings
 from llumnix.v1 import migration_pb2 as mpb
 
@@ -202,7 +202,11 @@ class ControlLoop:
     async def migrate_pass(self) -> None:
         """Pair sources with destinations and start one MigrateOut per free source; the requests the
         routers hold count as queued where they would go (`with_held_requests`)."""
-        held = await self._router_queues.held_tokens() if self._router_queues is not None else []
+        held: list[int] = []
+        # Not read while an instance drains (they would not count): a slow router must not delay the
+        # passes that move a draining instance's requests out.
+        if self._router_queues is not None and held_requests_apply(self._fleet.loads()):
+            held = await self._router_queues.held_tokens()
         self._migrations.run(with_held_requests(self._fleet.loads(), held), self.settings)
 
     async def autoscale(self) -> None:

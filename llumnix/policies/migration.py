@@ -83,6 +83,11 @@ def _busy(load: InstanceLoad, config: MigrationConfig) -> bool:
     return load.migrating_out + load.migrating_in >= config.max_concurrent_per_instance
 
 
+def held_requests_apply(loads: Sequence[InstanceLoad]) -> bool:
+    """Whether `with_held_requests` queues held requests on these loads: not while an instance drains."""
+    return not any(load.draining for load in loads)
+
+
 def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]) -> list[InstanceLoad]:
     """The loads with the requests the routers hold queued on them as engines' queues would hold them:
     each held request (`held_tokens`: the tokens each needs, in the order the routers offer them) at a
@@ -93,8 +98,13 @@ def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]
     it, the held request is that instance's head of line and counts in its virtual usage, as a queued
     request does: the instance is no destination, and while its freeness is low it is a source, whose
     requests moving out free the room sooner (docs/reproduction.md, "Migration while the router holds
-    requests")."""
-    if not held_tokens:
+    requests").
+
+    While an instance drains, the loads are left as they are: its requests have the first claim on the
+    room elsewhere. The drain removes capacity that the autoscaler or an operator decided to remove, and
+    a held request waits for room either way; queued where it would go, it would leave the draining
+    instance no destination."""
+    if not held_tokens or not held_requests_apply(loads):
         return list(loads)
     by_room = sorted((load for load in loads if not load.draining),
                      key=lambda load: (load.queued_blocks + load.reserved_blocks - load.free_blocks,

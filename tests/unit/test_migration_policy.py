@@ -171,13 +171,21 @@ def test_held_requests_queue_one_per_instance_where_most_room_is_left() -> None:
     a = loaded("a", 60)
     b = loaded("b", 80, reserved_blocks=30)  # 50 blocks left for a new request
     c = inst("c", free=90, running=[r("c1")], waiting=[r("cw", tokens=320)])  # 20 blocks queued: 70 left
-    d = inst("d", free=95, running=[r("d1")], draining=True)
-    held = with_held_requests([a, b, c, d], [480, 64, 16, 16])
-    assert [load.instance_id for load in held] == ["a", "b", "c", "d"]
+    held = with_held_requests([a, b, c], [480, 64, 16, 16])
+    assert [load.instance_id for load in held] == ["a", "b", "c"]
     # In the routers' order: the first held request to the instance with the most room (c), the second
-    # to the next (a), the third to b; the draining instance gets none, and neither does the fourth.
-    assert [[w.prompt_tokens for w in load.waiting] for load in held] == [[64], [16], [320, 480], []]
+    # to the next (a), the third to b; the fourth finds no instance of its own.
+    assert [[w.prompt_tokens for w in load.waiting] for load in held] == [[64], [16], [320, 480]]
     assert with_held_requests([a, b], []) == [a, b]
+
+
+def test_held_requests_leave_the_room_to_a_drain() -> None:
+    # The draining instance's requests must go; the held request would make the one destination busy.
+    draining = inst("d", free=90, running=[r("d1", blocks=10)], draining=True)
+    serving = inst("s", free=80, running=[r("s1", blocks=20)])
+    loads = [draining, serving]
+    assert with_held_requests(loads, [1600]) == loads
+    assert pair_migrations(with_held_requests(loads, [1600])) == [MigrationPair("d", "s")]
 
 
 def test_the_instance_a_held_request_waits_for_is_a_source_and_no_destination() -> None:
