@@ -106,9 +106,8 @@ def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]
     instance no destination."""
     if not held_tokens or not held_requests_apply(loads):
         return list(loads)
-    by_room = sorted((load for load in loads if not load.draining),
-                     key=lambda load: (load.queued_blocks + load.reserved_blocks - load.free_blocks,
-                                       load.instance_id))
+    by_room = sorted(loads, key=lambda load: (load.queued_blocks + load.reserved_blocks - load.free_blocks,
+                                              load.instance_id))
     queued = {load.instance_id: replace(load, waiting=(*load.waiting, RequestLoad(f"held-{at}", tokens)))
               for at, (tokens, load) in enumerate(zip(held_tokens, by_room, strict=False))}
     return [queued.get(load.instance_id, load) for load in loads]
