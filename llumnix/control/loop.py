@@ -207,6 +207,7 @@ class ControlLoop:
         # passes that move a draining instance's requests out.
         if self._router_queues is not None and held_requests_apply(self._fleet.loads()):
             held = await self._router_queues.held_tokens()
+        # The loads as they are after the read, which may have taken a while.
         self._migrations.run(with_held_requests(self._fleet.loads(), held), self.settings)
 
     async def autoscale(self) -> None:

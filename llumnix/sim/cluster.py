@@ -266,7 +266,8 @@ class Cluster:
             self._push(now + self.config.migration_interval_s, self._on_tick)
 
     def _migration_round(self) -> None:
-        held = [request.tokens for request in self.pending] if self.system.holds else []
+        # At most one held request per instance counts (`with_held_requests`).
+        held = [request.tokens for request in self.pending[: len(self.ready)]] if self.system.holds else []
         loads = with_held_requests([instance.snapshot() for instance in self.ready], held)
         by_id = {instance.instance_id: instance for instance in self.ready}
         load_by_id = {load.instance_id: load for load in loads}
