@@ -6,6 +6,7 @@ llumlet gRPC `Serve` -> engine), each measured by `vllm bench serve` in one run,
     .venv/bin/python bench/router_peer.py --engine vllm --concurrency 4,16 --num-prompts 100
                                                                # CPU vLLM, the tiny model
     .venv/bin/python bench/router_peer.py --router-workers 1,2 # also a router of two worker processes
+    .venv/bin/python bench/router_peer.py --split-cores        # the hops on cores of their own
 
 The sim engine (`--time-scale 200`, 256 sequences) makes tokens faster than a GPU does, so the engine
 is not the bottleneck and what the paths add shows. The client is a separate process (`vllm bench
@@ -13,6 +14,11 @@ serve`, random prompts of `--input-len` tokens, `--output-len` tokens each with 
 in turn at each concurrency, in a rotating order so drift hits them alike. Prints one table row per
 path and concurrency with its ratio to the engine, writes the results as JSON and, with `--plot`, a
 PNG of throughput and TTFT against concurrency (one line per path).
+
+With `--split-cores` the engine and the client run on the first half of the machine's cores and every
+hop (the llumlet, the routers, the peer) on the rest, as in production, where the router runs in pods
+of its own and a GPU engine leaves its host's cores to its sidecar: the hops' CPU is then not taken
+from the engine, and a path's ratio measures what it adds in latency and throughput, not its CPU share.
 """
 
 from __future__ import annotations
@@ -64,9 +70,11 @@ async def start_service(name: str, argv: list[str], port: int, work: Path) -> Ch
 
 def run_client(url: str, tokenizer: Path, concurrency: int, args: argparse.Namespace, work: Path,
                tag: str) -> dict[str, float]:
-    """One `vllm bench serve` run against `url`; its result metrics."""
+    """One `vllm bench serve` run against `url` (on the engine's cores with `--split-cores`); its result
+    metrics."""
     result = work / f"{tag}.json"
-    command = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", url,
+    taskset = ["taskset", "-c", ",".join(map(str, sorted(core_halves()[0])))] if args.split_cores else []
+    command = [*taskset, sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", url,
                "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer),
                "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--ignore-eos",
@@ -123,6 +131,23 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
         await pair.stop()
         raise
     return pair, services, paths
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process and of its children (router workers) onto `cpus`."""
+    process = psutil.Process(pid)
+    for each in (process, *process.children(recursive=True)):
+        for thread in each.threads():
+            os.sched_setaffinity(thread.id, cpus)
+
+
+def core_halves() -> tuple[set[int], set[int]]:
+    """The engine's and client's cores, the hops' cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--split-cores needs at least 2 cores")
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -184,6 +209,12 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
     rows: list[dict[str, object]] = []
     pids = {"engine": pair.engine.pid, "llumlet": pair.llumlet.pid,
             **{service.name: service.pid for service in services}}
+    if args.split_cores:
+        engine_cpus, hop_cpus = core_halves()
+        for name, pid in pids.items():
+            if pid is not None:
+                pin(pid, engine_cpus if name == "engine" else hop_cpus)
+        print(f"engine and client on cores {sorted(engine_cpus)}, the hops on {sorted(hop_cpus)}", flush=True)
     try:
         for c_index, concurrency in enumerate(args.concurrency):
             results: dict[str, dict[str, float]] = {}
@@ -236,6 +267,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per path and concurrency; the best is kept")
     parser.add_argument("--no-peer", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--split-cores", action="store_true",
+                        help="engine and client on half the cores, the llumlet and the routers on the rest")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG here")
     args = parser.parse_args()
@@ -245,8 +278,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.plot:
+        cores = "cores split between engine and hops" if args.split_cores else "cores shared"
         plot(rows, args.plot, f"{args.engine} engine, {args.input_len}-token prompts, {args.output_len} "
-             f"output tokens, {os.cpu_count()} cores")
+             f"output tokens, {os.cpu_count()} {cores}")
 
 
 if __name__ == "__main__":
