@@ -23,6 +23,7 @@ from llumnix.traces import SHARED_PREFIX_TRACES, TRACE_PRESETS
 TABLE_COLUMNS = (
     ("prefill_mean", "prefill mean"),
     ("prefill_p99", "prefill p99"),
+    ("prefill_max", "prefill max"),
     ("decode_mean", "decode mean"),
     ("decode_p99", "decode p99"),
     ("e2e_mean", "e2e mean"),

@@ -23,6 +23,7 @@ from llumnix.sim.request import SimRequest
 SUMMARY_KEYS = (
     "prefill_mean",
     "prefill_p99",
+    "prefill_max",
     "decode_mean",
     "decode_p99",
     "e2e_mean",
@@ -95,6 +96,7 @@ def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
             for key in (
                 "prefill_mean",
                 "prefill_p99",
+                "prefill_max",
                 "decode_mean",
                 "decode_p99",
                 "e2e_mean",
@@ -113,6 +115,7 @@ def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
     return {
         "prefill_mean": float(prefill.mean()),
         "prefill_p99": float(np.percentile(prefill, 99)),
+        "prefill_max": float(prefill.max()),
         "decode_mean": float(decode.mean()) if decode.size else 0.0,
         "decode_p99": float(np.percentile(decode, 99)) if decode.size else 0.0,
         "e2e_mean": float(e2e.mean()),
