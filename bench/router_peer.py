@@ -209,13 +209,14 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
     rows: list[dict[str, object]] = []
     pids = {"engine": pair.engine.pid, "llumlet": pair.llumlet.pid,
             **{service.name: service.pid for service in services}}
-    if args.split_cores:
-        engine_cpus, hop_cpus = core_halves()
-        for name, pid in pids.items():
-            if pid is not None:
-                pin(pid, engine_cpus if name == "engine" else hop_cpus)
-        print(f"engine and client on cores {sorted(engine_cpus)}, the hops on {sorted(hop_cpus)}", flush=True)
     try:
+        if args.split_cores:
+            engine_cpus, hop_cpus = core_halves()
+            for name, pid in pids.items():
+                if pid is not None:
+                    pin(pid, engine_cpus if name == "engine" else hop_cpus)
+            print(f"engine and client on cores {sorted(engine_cpus)}, the hops on {sorted(hop_cpus)}",
+                  flush=True)
         for c_index, concurrency in enumerate(args.concurrency):
             results: dict[str, dict[str, float]] = {}
             for repeat in range(args.repeats):
