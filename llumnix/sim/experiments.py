@@ -435,6 +435,7 @@ def _robustness_report(results: Results, out: Path) -> list[str]:
         rows.append([
             trace, rates[(trace, load)], cv, seed,
             ours["prefill_p99"], infaas["prefill_p99"], nomig["prefill_p99"],
+            ours["prefill_max"], nomig["prefill_max"],
             ours["e2e_mean"], infaas["e2e_mean"], nomig["e2e_mean"], ours["migrations"],
             ", ".join(misses) or "holds",
         ])
@@ -454,8 +455,12 @@ def _robustness_report(results: Results, out: Path) -> list[str]:
         f" INFaaS++'s and <= 1.05x llumnix-nomig's (a difference within {TIE_S:g} s is a tie at the compute"
         " floor), its e2e mean <= 1.02x INFaaS++'s.",
         f"**{len(points) - missed} of {len(points)} points meet every target.**",
+        "Beside the P99 prefill, the slowest request's (max): where Llumnix's P99 is above nomig's and its"
+        " max below, the wait that nomig concentrates on a few starved requests is shared"
+        " (docs/reproduction.md, \"Who waits\").",
         markdown_table(
             ["trace", "rate", "cv", "seed", "p99 llumnix", "p99 infaas++", "p99 nomig",
+             "max llumnix", "max nomig",
              "e2e llumnix", "e2e infaas++", "e2e nomig", "migrations", "verdict"],
             rows,
         ),
