@@ -254,7 +254,7 @@ class BenchService:
         await self.backend.close()
 
 
-async def _metric_values(session: aiohttp.ClientSession, url: str, wanted: Sequence[str]) -> dict[str, float]:
+async def metric_values(session: aiohttp.ClientSession, url: str, wanted: Sequence[str]) -> dict[str, float]:
     """The `wanted` series of a /metrics page (one sample each), by name."""
     async with session.get(f"{url}/metrics") as response:
         text = await response.text()
@@ -269,7 +269,7 @@ async def _metric_values(session: aiohttp.ClientSession, url: str, wanted: Seque
 async def engine_gauges(session: aiohttp.ClientSession, engine_url: str) -> dict[str, float]:
     """The engine's vllm:num_requests_running/waiting and vllm:kv_cache_usage_perc from /metrics."""
     wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-    values = await _metric_values(session, engine_url, wanted)
+    values = await metric_values(session, engine_url, wanted)
     return {name.split(":", 1)[1]: value for name, value in values.items()}
 
 
@@ -279,7 +279,7 @@ async def engine_staging(session: aiohttp.ClientSession, pair: EnginePair) -> di
     left out."""
     prefix = "llumnix_llumlet_engine_"
     wanted = (f"{prefix}staged_migrations", f"{prefix}staging_bytes")
-    values = await _metric_values(session, pair.llumlet.http_url, wanted)
+    values = await metric_values(session, pair.llumlet.http_url, wanted)
     return {name.removeprefix(prefix): value for name, value in values.items()}
 
 

@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,17 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(thread.id, cpus)
 
 
+def split_cores(pids: Mapping[str, int | None]) -> set[int]:
+    """`--split-cores`: the process named "engine" onto the first half of the cores, every other one (the
+    hops) onto the rest; returns the engine's cores, where the client runs too."""
+    engine_cpus, hop_cpus = core_halves()
+    for name, pid in pids.items():
+        if pid is not None:
+            pin(pid, engine_cpus if name == "engine" else hop_cpus)
+    print(f"engine and client on cores {sorted(engine_cpus)}, the hops on {sorted(hop_cpus)}", flush=True)
+    return engine_cpus
+
+
 def core_halves() -> tuple[set[int], set[int]]:
     """The engine's and client's cores, the hops' cores."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -211,12 +223,7 @@ async def bench(args: argparse.Namespace, work: Path) -> list[dict[str, object]]
             **{service.name: service.pid for service in services}}
     try:
         if args.split_cores:
-            engine_cpus, hop_cpus = core_halves()
-            for name, pid in pids.items():
-                if pid is not None:
-                    pin(pid, engine_cpus if name == "engine" else hop_cpus)
-            print(f"engine and client on cores {sorted(engine_cpus)}, the hops on {sorted(hop_cpus)}",
-                  flush=True)
+            split_cores(pids)
         for c_index, concurrency in enumerate(args.concurrency):
             results: dict[str, dict[str, float]] = {}
             for repeat in range(args.repeats):

@@ -23,10 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import grpc
 import uvloop
-from router_peer import core_halves, pin, start_paths
+from bench_service import client_session, metric_values, stream_completion
+from router_peer import split_cores, start_paths
 
 from llumnix.launch.pair import free_port
 
@@ -35,38 +35,26 @@ LLUMLET_FIRST_CHUNK = "llumnix_llumlet_engine_first_chunk_seconds"
 ECHO_SERVICE = "llumnix.bench.Echo"
 
 
-async def first_token_s(session: aiohttp.ClientSession, url: str, output_tokens: int, seed: int) -> float:
-    body = {"model": "bench", "prompt": [1 + (seed + i) % 500 for i in range(64)],
-            "max_tokens": output_tokens, "ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    first: float | None = None
-    async with session.post(url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError(f"{url}: the stream ended without a token")
-    return first
-
-
 async def load(url: str, concurrency: int, total: int, output_tokens: int) -> list[float]:
     """`total` requests, `concurrency` at a time; each one's TTFT."""
     ttfts: list[float] = []
     left = list(range(total))
-    async with aiohttp.ClientSession() as session:
+    async with client_session() as session:
         async def stream_after_stream() -> None:
             while left:
-                ttfts.append(await first_token_s(session, url, output_tokens, left.pop()))
+                seed = left.pop()
+                prompt = [1 + (seed + i) % 500 for i in range(64)]
+                result = await stream_completion(session, url, "bench", prompt, output_tokens, 120.0)
+                if not result.complete() or result.first_token is None:
+                    raise RuntimeError(f"{url}: a request did not complete: {result}")
+                ttfts.append(result.first_token - result.started)
         await asyncio.gather(*(stream_after_stream() for _ in range(concurrency)))
     return ttfts
 
 
 async def histogram_sum_count(url: str, name: str) -> tuple[float, float]:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        text = await response.text()
-    values = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-              if line.startswith((f"{name}_sum", f"{name}_count"))}
+    async with client_session() as session:
+        values = await metric_values(session, url, (f"{name}_sum", f"{name}_count"))
     return values.get(f"{name}_sum", 0.0), values.get(f"{name}_count", 0.0)
 
 
@@ -78,12 +66,9 @@ async def paths_ttft(args: argparse.Namespace) -> None:
         pair, services, paths = await start_paths(bench_args, Path(tmp), None)
         try:
             if args.split_cores:
-                engine_cpus, hop_cpus = core_halves()
-                for pid, cpus in ((pair.engine.pid, engine_cpus), (pair.llumlet.pid, hop_cpus),
-                                  *((service.pid, hop_cpus) for service in services)):
-                    if pid is not None:
-                        pin(pid, cpus)
-                os.sched_setaffinity(0, engine_cpus)  # the client beside the engine
+                pids = {"engine": pair.engine.pid, "llumlet": pair.llumlet.pid,
+                        **{service.name: service.pid for service in services}}
+                os.sched_setaffinity(0, split_cores(pids))  # the client beside the engine
             router_url = paths[-1].url
             for path in paths:
                 await load(path.url, args.concurrency, 20, args.output_tokens)  # warm-up
