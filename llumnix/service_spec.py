@@ -292,11 +292,15 @@ CROSS_FIELD_RULES: list[CrossFieldRule] = [
         lambda o: o["min"] <= o["max"],
         "instances.min must be <= instances.max",
     ),
+    # With built-in autoscaling on, replicas is the operator's output (the count it publishes for
+    # /scale), so narrowing the bounds below or above it must not be refused: the operator clamps.
     CrossFieldRule(
         "",
-        "!has(self.replicas) || (self.replicas >= self.instances.min && self.replicas <= self.instances.max)",
-        lambda o: "replicas" not in o or o["instances"]["min"] <= o["replicas"] <= o["instances"]["max"],
-        "replicas must lie within [instances.min, instances.max]",
+        "!has(self.replicas) || self.autoscaling.enabled"
+        " || (self.replicas >= self.instances.min && self.replicas <= self.instances.max)",
+        lambda o: ("replicas" not in o or o["autoscaling"]["enabled"]
+                   or o["instances"]["min"] <= o["replicas"] <= o["instances"]["max"]),
+        "replicas must lie within [instances.min, instances.max] (with autoscaling off)",
     ),
     CrossFieldRule(
         "autoscaling",

@@ -26,11 +26,20 @@ class AutoscalingPass:
         self._last_demand: ClusterDemand | None = None
         """The previous decision's demand: how fast it rises sets how early, and by how many, to scale up."""
 
-    def adopt_target(self) -> None:
-        """Start from the serving count found (instances starting or READY, not draining)."""
+    def adopt_target(self, minimum: int, maximum: int) -> None:
+        """Start from the serving count found (instances starting or READY, not draining), within
+        the bounds."""
         self.target = sum(1 for i in self.fleet.instances.values()
                           if i.phase in (InstancePhase.STARTING, InstancePhase.READY)
                           and i.instance_id not in self.drains)
+        self.keep_within(minimum, maximum)
+
+    def keep_within(self, minimum: int, maximum: int) -> None:
+        """The target moves inside the bounds (instances.min, instances.max): the count is never
+        outside them, and raising instances.max after lowering it must not bring back the instances
+        the lower bound drained."""
+        if self.target is not None:
+            self.target = min(max(self.target, minimum), maximum)
 
     async def step(self, settings: ServiceSettings, desired: int,
                    held_tokens: Callable[[], Awaitable[Sequence[int]]] | None = None) -> bool:

@@ -77,6 +77,7 @@ class ControlLoop:
     def update_settings(self, settings: ServiceSettings) -> None:
         """A spec change (including replicas from /scale): acted on at the next reconcile."""
         self.settings = settings
+        self._autoscaling.keep_within(settings.spec.instances.min, settings.spec.instances.max)
 
     @property
     def desired(self) -> int:
@@ -189,7 +190,7 @@ class ControlLoop:
         for instance_id in self._fleet.first_reports_draining():
             self._drains.adopt(instance_id)
         if self._autoscaling.target is None and spec.autoscaling.enabled and self._fleet.adoption_done():
-            self._autoscaling.adopt_target()
+            self._autoscaling.adopt_target(spec.instances.min, spec.instances.max)
         await self._reconciler.replace_unhealthy(listed, now, spec.autoscaling.startup_grace_s)
         # Parking is the autoscaler's: a scale-down someone asked for (replicas) releases at once.
         park_s = self.settings.autoscaling.park_s if spec.autoscaling.enabled else 0.0

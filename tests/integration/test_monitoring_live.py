@@ -32,6 +32,7 @@ import pytest
 from cluster_harness import Load, wait_for
 from kube_emulator import EmulatedCluster
 from kubelet_emulator import Kubelet
+from prometheus_client.parser import text_string_to_metric_families
 from script_module import load_script
 from test_local_mode import processes_using, read_until, up, write_manifest
 from test_operator_cluster import (  # noqa: F401 (cluster is a fixture)
@@ -275,9 +276,47 @@ def test_every_dashboard_panel_has_data_in_prometheus(
         summaries = status().get("instanceSummaries") or []
         return len(summaries) == len(engine_pods()) and all(i.get("running", 0) >= 1 for i in summaries)
 
-    def set_max(instances: int) -> None:
-        patch = {"spec": {"instances": {"max": instances}}}
+    def set_instances(**bounds: int) -> None:
+        patch = {"spec": {"instances": bounds}}
         custom.patch_namespaced_custom_object(G, V, NS, P, SERVICE, patch, _content_type=MERGE)
+
+    def committed_out(pod: str) -> float:
+        """Migrations the pod's llumlet committed as their source (0 once the pod is gone)."""
+        ip = getattr(kubelet.pods.get(pod), "ip", None)
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{LLUMLET_HTTP_PORT}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return 0.0
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == "llumnix_llumlet_migrations_total"
+                   and s.labels == {"role": "out", "outcome": "MIGRATION_OUTCOME_COMMITTED"})
+
+    def drain_a_busy_instance(attempts: int = 3) -> None:
+        """A drain that must migrate, driven. The autoscaler drains the freest instance, which may hold
+        no request (a hogged run's did not: no migration, no move for the router to follow), and eight
+        clients over two instances leave no destination the migration rule admits (a fresh-clone run
+        stopped at two instances and moved nothing). So instances.min holds three instances until
+        every one runs a request, then instances.max 2 drains the freest: the other two hold at most
+        seven requests, one of them three or fewer, with room for a fourth. When the drained
+        instance's requests all end before its drain starts, it is released empty: then the drain is
+        tried again."""
+        for _ in range(attempts):
+            set_instances(min=3, max=3)
+            wait_for(lambda: ready() == 3 and len(engine_pods()) == 3, 180, "three instances")
+            wait_for(all_busy, 60, "requests running on every instance")
+            before = {pod: committed_out(pod) for pod in engine_pods()}
+            set_instances(min=1, max=2)
+
+            def drain_ended(before: dict[str, float] = before) -> str | None:
+                drained = [i["name"] for i in status().get("instanceSummaries") or [] if i.get("draining")]
+                if any(committed_out(pod) > before.get(pod, 0.0) for pod in drained):
+                    return "migrated"
+                return "released" if len(engine_pods()) < 3 else None
+
+            if wait_for(drain_ended, 120, "the drained instance's migration or its release") == "migrated":
+                return
+        raise AssertionError(f"{attempts} drains of a busy instance ended without a migration")
 
     with LocalService(tmp_path) as local, Load(local.url, clients=2) as local_load, \
             operator_and_kubelet(cluster) as (kubelet, runner), \
@@ -288,16 +327,10 @@ def test_every_dashboard_panel_has_data_in_prometheus(
         with Load(url, clients=8) as spike:  # a scale-up
             wait_for(lambda: ready() >= 2 and len(engine_pods()) >= 2, 180, "a scale-up by the autoscaler")
             wait_for(lambda: spike.ok >= 10, 120, "requests served after the scale-up")
-            # A drain that must migrate, driven: the autoscaler drains the freest instance, which
-            # may hold no request (a hogged run's did not: no control-loop migration, no move for
-            # the router to follow), so with every instance busy instances.max goes below the count.
-            wait_for(all_busy, 60, "requests running on every instance")
-            set_max(len(engine_pods()) - 1)
-            wait_for(lambda: (status().get("migrations") or {}).get("completed", 0) >= 1, 120,
-                     "a drained instance's migration")
+            drain_a_busy_instance()
             moves = f'llumnix_router_moves_followed_total{{llmservice="{SERVICE}"}} > 0'
             wait_for(lambda: in_prometheus(moves), 30, "the router's followed move scraped")
-            set_max(3)
+            set_instances(max=3)
             wait_for(lambda: ready() >= 2 and len(engine_pods()) >= 2, 180, "scaled up again")
         peak = len(engine_pods())
         with Load(url, clients=1) as trickle:  # the load falls: the freest pod drains

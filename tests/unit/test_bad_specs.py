@@ -243,6 +243,20 @@ def test_a_bad_resource_is_refused_with_its_field(patch: dict[str, Any], field: 
     assert str(refused.value).startswith(field if field != "spec" else "spec:"), str(refused.value)
 
 
+def test_an_autoscaled_service_may_narrow_its_bounds_past_the_published_count() -> None:
+    """With built-in autoscaling on, spec.replicas is the count the operator publishes: lowering
+    instances.max below it (or raising min above it) is the user's way to shrink (or grow) the
+    service, accepted by the API server and by the operator, which then clamps the count."""
+    for bounds in ({"min": 1, "max": 2}, {"min": 4, "max": 6}):
+        resource = merged(VALID, {"spec": {"replicas": 3, "instances": bounds, "autoscaling": {"enabled": True}}})
+        assert schema_errors(resource) == [] and cel_failures(resource) == []
+        assert parse_service(resource).spec.replicas == 3
+        without_autoscaling = merged(resource, {"spec": {"autoscaling": {"enabled": False}}})
+        assert cel_failures(without_autoscaling) == ["spec"]
+        with pytest.raises(SpecError, match="replicas must lie within"):
+            parse_service(without_autoscaling)
+
+
 def test_a_misspelt_field_gets_a_suggestion() -> None:
     with pytest.raises(SpecError, match="did you mean 'replicas'"):
         parse_service(merged(VALID, {"spec": {"replica": 3}}))

@@ -62,6 +62,24 @@ async def test_more_replicas_start_instances_fewer_drain_the_freest_and_release_
     assert len(h.backend.started) == 3  # nothing restarted
 
 
+async def test_a_lowered_instances_max_drains_the_autoscaled_surplus_and_raising_it_starts_nothing() -> None:
+    autoscaled = {"enabled": True}
+    h = Harness(settings(instances={"min": 3, "max": 3}, replicas=3, autoscaling=autoscaled))
+    assert await h.bring_up() == ["i0", "i1", "i2"]  # autoscaled from instances.min
+    h.load("i0", request("a", 30))
+    h.load("i1", request("b", 10))
+    h.load("i2", request("c", 50))
+    h.loop.update_settings(settings(instances={"min": 1, "max": 2}, replicas=3, autoscaling=autoscaled))
+    await h.loop.reconcile()
+    assert set(h.loop.draining) == {"i1"} and h.loop.desired == 2  # the freest drains
+    h.loop.update_settings(settings(instances={"min": 1, "max": 3}, replicas=2, autoscaling=autoscaled))
+    await h.loop.reconcile()
+    assert h.loop.desired == 2 and set(h.loop.draining) == {"i1"} and len(h.backend.started) == 3
+    h.loop.update_settings(settings(instances={"min": 3, "max": 3}, replicas=2, autoscaling=autoscaled))
+    await h.loop.reconcile()
+    assert h.loop.desired == 3 and not h.loop.draining  # a raised minimum puts the drained one back
+
+
 async def test_a_decision_records_the_aggregate_freeness_it_was_taken_at() -> None:
     h = Harness(settings())
     await h.bring_up()
