@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunked-prefill", action="store_true", help="vLLM's chunked prefill instead of prefill-first"
     )
+    parser.add_argument(
+        "--queue-passing", action="store_true",
+        help="a what-if engine (not vLLM): a queued request that fits is admitted past one ahead of it "
+        "that does not (vLLM admits from the queue's head only)",
+    )
     scaling = parser.add_argument_group("autoscaling")
     scaling.add_argument("--autoscale", action="store_true", help="scale by aggregate freeness")
     defaults = AutoscalingConfig()
@@ -135,6 +140,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
             high_priority_fraction=args.high_priority_fraction,
             profile=args.profile,
             chunked_prefill=args.chunked_prefill,
+            queue_passing=args.queue_passing,
             autoscaling=_autoscaling(args),
         )
         result = simulate_with_bar(spec, policy)

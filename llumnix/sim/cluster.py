@@ -66,6 +66,7 @@ class Cluster:
             watermark=config.watermark,
             chunked_prefill=config.chunked_prefill,
             prefix_caching=config.prefix_caching,
+            queue_passing=config.queue_passing,
         )
         capacity = (self.engine.total_blocks - self.engine.watermark_blocks) * profile.block_size
         too_long = [t for t in trace if t.prompt_tokens + t.output_tokens > capacity]

@@ -8,6 +8,8 @@ Scheduling follows vLLM v0's default scheduler, which the paper used:
 - A decode step needs a new block for every request whose next token starts one. When none is
   free, the latest-arrived running request is preempted by recompute: its blocks are freed, it
   goes back to the head of the queue and later prefills its prompt plus generated tokens again.
+- With `queue_passing` (a what-if, not vLLM) a queued request that fits is admitted even when one
+  ahead of it does not.
 - High-priority requests are queued ahead of normal ones and preempted only when no normal
   request is left to preempt.
 - With `chunked_prefill`, an iteration decodes every running request and fills the rest of a
@@ -49,6 +51,9 @@ class EngineConfig:
     chunked_prefill_tokens: int = 512
     """Token budget of a chunked-prefill iteration (vLLM v0's default with chunking on)."""
     prefix_caching: bool = False
+    queue_passing: bool = False
+    """A what-if engine: requests behind a queued request that does not fit are admitted when they
+    fit (vLLM admits from the head only, so a large head blocks its whole queue)."""
 
     @property
     def watermark_blocks(self) -> int:
@@ -112,8 +117,8 @@ class SimInstance:
         else:
             self.waiting.insert(self._waiting_high, request)
 
-    def _pop_head(self) -> SimRequest:
-        request = self.waiting.pop(0)
+    def _pop_waiting(self, index: int) -> SimRequest:
+        request = self.waiting.pop(index)
         if request.high_priority:
             self._waiting_high -= 1
         return request
@@ -187,13 +192,15 @@ class SimInstance:
         return self.iteration_time(prefill_tokens, len(self._decoding), self.context_tokens, square_tokens)
 
     def _admit(self, token_budget: int, whole_prompts: bool) -> list[tuple[SimRequest, int]]:
-        """Move requests from the queue head into prefill while blocks, sequences and tokens allow."""
+        """Move requests from the queue head into prefill while blocks, sequences and tokens allow
+        (with `queue_passing`, past queued requests whose blocks are not free)."""
         chunks: list[tuple[SimRequest, int]] = []
         config = self.config
         seqs = len(self.running) + len(self.prefilling) + len(self.suspended)
         watermark = config.watermark_blocks
-        while self.waiting and seqs < config.max_num_seqs and token_budget > 0:
-            request = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and seqs < config.max_num_seqs and token_budget > 0:
+            request = self.waiting[index]
             target = request.tokens
             if whole_prompts and target > token_budget and chunks:
                 break
@@ -202,8 +209,11 @@ class SimInstance:
             hashes = request.block_hashes[: target // self.block_size] if cache is not None else ()
             new = need - cache.shared(hashes) if cache is not None else need
             if self.free_blocks - new < watermark:
+                if config.queue_passing:
+                    index += 1
+                    continue
                 break
-            self._pop_head()
+            self._pop_waiting(index)
             hit = 0
             if cache is not None and hashes:
                 hit = cache.hit(hashes[: cacheable_blocks(target, self.block_size)]) * self.block_size

@@ -30,6 +30,7 @@ class RunSpec:
     high_priority_fraction: float = 0.0
     profile: str = DEFAULT_PROFILE
     chunked_prefill: bool = False
+    queue_passing: bool = False
     autoscaling: AutoscalingConfig | None = None
     label: str = ""
     """What the run stands for in a report (e.g. the swept value)."""
@@ -45,7 +46,8 @@ def simulate(spec: RunSpec, progress: Progress | None = None) -> SimResult:
         seed=spec.seed,
         high_priority_fraction=spec.high_priority_fraction,
     )
-    config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill=spec.chunked_prefill)
+    config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill=spec.chunked_prefill,
+                       queue_passing=spec.queue_passing)
     cluster = Cluster(trace, system(spec.policy), profile, spec.instances, config, seed=spec.seed)
     return cluster.run(progress)
 

@@ -69,6 +69,8 @@ class SimConfig:
     """A drain starts only once scale-down has been wanted this long, as the operator's control loop
     does (`autoscaling.scaleDownStabilizationSeconds`, default 30 s)."""
     chunked_prefill: bool = False
+    queue_passing: bool = False
+    """Engines admit a queued request that fits past one that does not (`EngineConfig.queue_passing`)."""
     prefix_caching: bool = True
     """Instances keep a prefix cache (vLLM's default). Only traces with shared content hit it."""
     watermark: float = 0.01

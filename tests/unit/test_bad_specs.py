@@ -248,7 +248,8 @@ def test_an_autoscaled_service_may_narrow_its_bounds_past_the_published_count() 
     instances.max below it (or raising min above it) is the user's way to shrink (or grow) the
     service, accepted by the API server and by the operator, which then clamps the count."""
     for bounds in ({"min": 1, "max": 2}, {"min": 4, "max": 6}):
-        resource = merged(VALID, {"spec": {"replicas": 3, "instances": bounds, "autoscaling": {"enabled": True}}})
+        autoscaled = {"replicas": 3, "instances": bounds, "autoscaling": {"enabled": True}}
+        resource = merged(VALID, {"spec": autoscaled})
         assert schema_errors(resource) == [] and cel_failures(resource) == []
         assert parse_service(resource).spec.replicas == 3
         without_autoscaling = merged(resource, {"spec": {"autoscaling": {"enabled": False}}})

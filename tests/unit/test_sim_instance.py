@@ -19,8 +19,9 @@ LATENCY = RooflineLatency(
 PROFILE = load_profile()
 
 
-def instance(name: str = "a", blocks: int = 100, chunked: bool = False) -> SimInstance:
-    config = EngineConfig(total_blocks=blocks, block_size=16, watermark=0.0, chunked_prefill=chunked)
+def instance(name: str = "a", blocks: int = 100, chunked: bool = False, passing: bool = False) -> SimInstance:
+    config = EngineConfig(total_blocks=blocks, block_size=16, watermark=0.0, chunked_prefill=chunked,
+                          queue_passing=passing)
     return SimInstance(name, config, LATENCY.iteration_time)
 
 
@@ -68,6 +69,19 @@ def test_decode_preempts_latest_arrival_and_recompute_accounts_loss() -> None:
         now, _ = step(inst, now)
     # Recompute prefilled prompt + generated tokens and produced the next one.
     assert late.generated == 2 and late.preemption_loss > 0 and late.preempted_at < 0
+
+
+@pytest.mark.parametrize("passing", [False, True])
+def test_a_head_that_does_not_fit_blocks_the_queue_unless_requests_may_pass(passing: bool) -> None:
+    inst = instance(blocks=6, passing=passing)
+    inst.enqueue(request("running", prompt=48, output=40))
+    step(inst, 0.0)  # 3 of 6 blocks held
+    inst.enqueue(large := request("large", prompt=64, output=4, arrival=1.0))  # 4 blocks: does not fit
+    inst.enqueue(small := request("small", prompt=16, output=4, arrival=2.0))  # 1 block: fits
+    step(inst, 1.0)
+    assert large.state == WAITING
+    assert small.state == (RUNNING if passing else WAITING)
+    assert [r.request_id for r in inst.waiting] == (["large"] if passing else ["large", "small"])
 
 
 def test_high_priority_is_admitted_first_and_preempted_last() -> None:
