@@ -315,6 +315,7 @@ def test_every_dashboard_panel_has_data_in_prometheus(
                 return "released" if len(engine_pods()) < 3 else None
 
             if wait_for(drain_ended, 120, "the drained instance's migration or its release") == "migrated":
+                wait_for(lambda: len(engine_pods()) < 3, 120, "the drained instance released")
                 return
         raise AssertionError(f"{attempts} drains of a busy instance ended without a migration")
 
