@@ -38,15 +38,16 @@ def sim_service(name: str, replicas: int) -> dict[str, Any]:
 class Load:
     """Clients sending completions through the router, each waiting for its answer before the next."""
 
-    def __init__(self, url: str, clients: int = 6) -> None:
+    def __init__(self, url: str, clients: int = 6, max_tokens: int = 128) -> None:
         self.url = url
+        self.max_tokens = max_tokens
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
 
     def _client(self) -> None:
-        body = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": 128}).encode()
+        body = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": self.max_tokens}).encode()
         while not self._stop.is_set():
             request = urllib.request.Request(
                 f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
