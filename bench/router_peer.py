@@ -116,7 +116,7 @@ async def start_paths(args: argparse.Namespace, work: Path, model_dir: Path | No
                 # its own metrics port, not the fixed default another peer may hold
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())], port, work))
             paths.append(ServedPath("vllm-router", f"http://127.0.0.1:{port}"))
-        else:
+        elif not args.no_peer:
             print("vllm-router is not installed (pip install '.[bench]'): the peer is left out", flush=True)
         paths.append(ServedPath("llumlet HTTP", pair.llumlet.http_url))
         for workers in args.router_workers:
