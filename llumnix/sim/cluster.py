@@ -64,7 +64,7 @@ class Cluster:
             max_num_seqs=profile.max_num_seqs,
             max_num_batched_tokens=profile.max_num_batched_tokens,
             watermark=config.watermark,
-            chunked_prefill=config.chunked_prefill,
+            chunked_prefill_tokens=config.chunked_prefill_tokens,
             prefix_caching=config.prefix_caching,
             queue_passing=config.queue_passing,
         )

@@ -616,10 +616,12 @@ def run_experiment(
     profile: str = DEFAULT_PROFILE,
     jobs: int = 1,
     rate_scale: float = 1.0,
+    chunked_prefill_tokens: int = 0,
 ) -> Path:
     """Run a preset, write `report.md` and its PNGs into `out`; return the report's path.
 
-    `rate_scale` multiplies every run's rate: the same preset at a lighter or heavier load."""
+    `rate_scale` multiplies every run's rate: the same preset at a lighter or heavier load.
+    `chunked_prefill_tokens` > 0: every engine chunks prefills (the preset on vLLM's chunked prefill)."""
     experiment = EXPERIMENTS[name]
     count = requests or experiment.default_requests
     if count < 1:
@@ -627,7 +629,8 @@ def run_experiment(
     if rate_scale <= 0:
         raise ValueError("--rate-scale must be positive")
     specs: Sequence[RunSpec] = [
-        replace(spec, rate=spec.rate * rate_scale) for spec in experiment.specs(count, seed, profile)
+        replace(spec, rate=spec.rate * rate_scale, chunked_prefill_tokens=chunked_prefill_tokens)
+        for spec in experiment.specs(count, seed, profile)
     ]
     results = simulate_many(specs, jobs=jobs, description=name)
     out.mkdir(parents=True, exist_ok=True)
@@ -635,6 +638,8 @@ def run_experiment(
     command = f"llumnix simulate --experiment {name} --requests {count} --seed {seed} --out {out}"
     if rate_scale != 1.0:
         command += f" --rate-scale {rate_scale:g}"
+    if chunked_prefill_tokens:
+        command += f" --chunked-prefill {chunked_prefill_tokens}"
     text = "\n\n".join([f"# {name}: {experiment.title}", f"`{command}`", *sections]) + "\n"
     report = out / "report.md"
     report.write_text(text, encoding="utf-8")

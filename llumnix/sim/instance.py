@@ -12,8 +12,8 @@ Scheduling follows vLLM v0's default scheduler, which the paper used:
   ahead of it does not.
 - High-priority requests are queued ahead of normal ones and preempted only when no normal
   request is left to preempt.
-- With `chunked_prefill`, an iteration decodes every running request and fills the rest of a
-  token budget with prefill chunks (vLLM v0's chunked prefill; blocks for the whole prompt are
+- With `chunked_prefill_tokens`, an iteration decodes every running request and fills the rest of
+  that token budget with prefill chunks (vLLM v0's chunked prefill; blocks for the whole prompt are
   allocated when the request is admitted).
 - With `prefix_caching`, full blocks are kept by content hash (`llumnix.sim.block_cache`): a request
   whose leading blocks are cached skips their prefill, blocks held by other requests are shared,
@@ -47,9 +47,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     watermark: float = 0.01
     """Fraction of the blocks kept free when admitting a prefill (vLLM's default)."""
-    chunked_prefill: bool = False
-    chunked_prefill_tokens: int = 512
-    """Token budget of a chunked-prefill iteration (vLLM v0's default with chunking on)."""
+    chunked_prefill_tokens: int = 0
+    """Token budget of a chunked-prefill iteration (vLLM v0's default with chunking on: 512);
+    0: prefill-first, no chunking."""
     prefix_caching: bool = False
     queue_passing: bool = False
     """A what-if engine: requests behind a queued request that does not fit are admitted when they
@@ -144,7 +144,8 @@ class SimInstance:
                 self.context_tokens += request.tokens
             self.resumed.clear()
         self._snapshot = None
-        duration = self._plan_chunked(now) if self.config.chunked_prefill else self._plan_prefill_first(now)
+        chunked = self.config.chunked_prefill_tokens > 0
+        duration = self._plan_chunked(now) if chunked else self._plan_prefill_first(now)
         self.busy = duration is not None
         return duration
 

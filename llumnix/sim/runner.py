@@ -29,7 +29,8 @@ class RunSpec:
     seed: int = 0
     high_priority_fraction: float = 0.0
     profile: str = DEFAULT_PROFILE
-    chunked_prefill: bool = False
+    chunked_prefill_tokens: int = 0
+    """Engines' chunked-prefill token budget; 0: prefill-first (the paper's vLLM)."""
     queue_passing: bool = False
     autoscaling: AutoscalingConfig | None = None
     label: str = ""
@@ -46,7 +47,7 @@ def simulate(spec: RunSpec, progress: Progress | None = None) -> SimResult:
         seed=spec.seed,
         high_priority_fraction=spec.high_priority_fraction,
     )
-    config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill=spec.chunked_prefill,
+    config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill_tokens=spec.chunked_prefill_tokens,
                        queue_passing=spec.queue_passing)
     cluster = Cluster(trace, system(spec.policy), profile, spec.instances, config, seed=spec.seed)
     return cluster.run(progress)

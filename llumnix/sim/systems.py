@@ -68,7 +68,8 @@ class SimConfig:
     scale_down_stabilization_s: float = 30.0
     """A drain starts only once scale-down has been wanted this long, as the operator's control loop
     does (`autoscaling.scaleDownStabilizationSeconds`, default 30 s)."""
-    chunked_prefill: bool = False
+    chunked_prefill_tokens: int = 0
+    """Engines chunk prefills into iterations of this many tokens (`EngineConfig`); 0: prefill-first."""
     queue_passing: bool = False
     """Engines admit a queued request that fits past one that does not (`EngineConfig.queue_passing`)."""
     prefix_caching: bool = True

@@ -53,3 +53,21 @@ def test_unknown_policy_is_a_message_not_a_traceback(capsys: pytest.CaptureFixtu
 def test_experiment_needs_an_output_folder(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--experiment", "fig12"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_an_experiment_runs_on_chunked_prefill_when_asked(tmp_path: Path) -> None:
+    """The preset's engines chunk their prefills (the figures differ from prefill-first) and the
+    report's command says so, so that it reproduces the run."""
+    reports = {}
+    for flags in ([], ["--chunked-prefill", "256"]):
+        out = tmp_path / ("chunked" if flags else "prefill-first")
+        assert run(["--experiment", "fig13", "--requests", "100", "--out", str(out), *flags]) == 0
+        reports[bool(flags)] = (out / "report.md").read_text().splitlines()
+    assert reports[True][2].endswith("--chunked-prefill 256`")
+    assert "--chunked-prefill" not in reports[False][2]
+    assert reports[True][3:] != reports[False][3:]
+
+
+def test_a_negative_chunked_prefill_budget_is_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--chunked-prefill", "-1", "--requests", "10"]) == 2
+    assert "--chunked-prefill takes a positive token budget" in capsys.readouterr().err

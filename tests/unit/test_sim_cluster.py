@@ -184,7 +184,7 @@ def test_a_burst_starts_several_instances_at_one_decision() -> None:
 
 def test_chunked_prefill_serves_every_request(audited: Counter[str]) -> None:
     trace = heavy_trace(200)
-    result = Cluster(trace, system("llumnix"), PROFILE, 4, config=SimConfig(chunked_prefill=True)).run()
+    result = Cluster(trace, system("llumnix"), PROFILE, 4, config=SimConfig(chunked_prefill_tokens=512)).run()
     assert len(audited) == 200 and result.summary()["finished"] == 200
 
 

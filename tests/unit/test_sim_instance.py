@@ -20,8 +20,8 @@ PROFILE = load_profile()
 
 
 def instance(name: str = "a", blocks: int = 100, chunked: bool = False, passing: bool = False) -> SimInstance:
-    config = EngineConfig(total_blocks=blocks, block_size=16, watermark=0.0, chunked_prefill=chunked,
-                          queue_passing=passing)
+    config = EngineConfig(total_blocks=blocks, block_size=16, watermark=0.0,
+                          chunked_prefill_tokens=512 if chunked else 0, queue_passing=passing)
     return SimInstance(name, config, LATENCY.iteration_time)
 
 
