@@ -124,6 +124,18 @@ class SimInstance:
         return request
 
     @property
+    def admission_blocks(self) -> int:
+        """The blocks a request can be admitted into: all but the watermark the engine keeps free
+        when admitting (decodes may still grow into it). The instance reports these as its memory,
+        so that dispatch and migration see the room the engine gives a new request."""
+        return self.total_blocks - self.config.watermark_blocks
+
+    @property
+    def admission_free_blocks(self) -> int:
+        """Free blocks above the admission watermark."""
+        return max(0, self.free_blocks - self.config.watermark_blocks)
+
+    @property
     def num_requests(self) -> int:
         return (
             len(self.waiting)
@@ -442,7 +454,8 @@ class SimInstance:
     # ----- load reporting -----
 
     def snapshot(self) -> InstanceLoad:
-        """The engine state in the shared load model's terms (cached until the state changes)."""
+        """The engine state in the shared load model's terms (cached until the state changes); its
+        memory is the blocks above the admission watermark (`admission_blocks`)."""
         if self._snapshot is None:
             holding = [*self.prefilling, *self.running, *self.suspended, *self.resumed]
             running = tuple(
@@ -463,8 +476,8 @@ class SimInstance:
             )
             self._snapshot = InstanceLoad(
                 instance_id=self.instance_id,
-                total_blocks=self.total_blocks,
-                free_blocks=self.free_blocks + self.reserved_blocks,
+                total_blocks=self.admission_blocks,
+                free_blocks=self.admission_free_blocks + self.reserved_blocks,
                 block_size=self.block_size,
                 running=running,
                 waiting=waiting,

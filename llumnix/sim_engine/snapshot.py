@@ -27,6 +27,8 @@ def _computed_tokens(sim: SimRequest) -> int:
 def capture_state(instance: SimInstance, generations: Mapping[str, Generation], now: float) -> EngineState:
     """The state once an iteration is planned, as the connector captures it when vLLM's scheduler has
     scheduled a step: computed tokens include the step's scheduled ones, whose blocks are allocated.
+    Its memory is the blocks above the admission watermark (`SimInstance.admission_blocks`): what a
+    new request can be admitted into.
     `generations` by engine request id (the SimRequests' ids)."""
     scheduled = instance.scheduled_tokens()
 
@@ -48,8 +50,8 @@ def capture_state(instance: SimInstance, generations: Mapping[str, Generation], 
     holding = [*instance.prefilling, *instance.running, *instance.suspended, *instance.resumed]
     return EngineState(
         timestamp=now,
-        total_blocks=instance.total_blocks,
-        free_blocks=instance.free_blocks,
+        total_blocks=instance.admission_blocks,
+        free_blocks=instance.admission_free_blocks,
         preemptions_total=instance.preemptions,
         requests=[row(sim) for sim in (*holding, *instance.waiting)],
     )

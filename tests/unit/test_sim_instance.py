@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from llumnix.load import RequestLoad, engine_queues
 from llumnix.profile import RooflineLatency, load_profile
 from llumnix.sim.instance import EngineConfig, SimInstance
 from llumnix.sim.migration import Migration, Outcome
@@ -106,6 +107,26 @@ def test_snapshot_reports_requests_blocks_and_is_cached() -> None:
     assert load is inst.snapshot()
     assert [r.request_id for r in load.running] == ["r1"] and load.running[0].blocks == 3
     assert [r.request_id for r in load.waiting] == ["r2"] and load.free_blocks == 97
+
+
+@pytest.mark.parametrize("prompt_blocks", [2, 3])
+def test_the_snapshot_offers_only_the_room_the_engine_admits_into(prompt_blocks: int) -> None:
+    """The engine keeps a watermark free when it admits a prompt (5 of 100 blocks here). A snapshot
+    that counted those blocks as room would have the router send a request the engine then queues
+    (7 free: a 3-block prompt waits) and migration fill an instance to where nothing is admitted."""
+    config = EngineConfig(total_blocks=100, block_size=16, watermark=0.05)
+    inst = SimInstance("a", config, LATENCY.iteration_time)
+    inst.enqueue(request("big", prompt=93 * 16, output=50))
+    step(inst, 0.0)
+    assert inst.free_blocks == 7
+    load = inst.snapshot()
+    assert (load.total_blocks, load.free_blocks) == (95, 2)
+    incoming = request("next", prompt=prompt_blocks * 16, output=5)
+    inst.enqueue(incoming)
+    step(inst, 1.0)
+    engine_queued = incoming.state == WAITING
+    assert engine_queued == (prompt_blocks == 3)
+    assert engine_queues(load, RequestLoad("next", prompt_blocks * 16, 0)) == engine_queued
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_iterations_alongside_decodes() -> None:
