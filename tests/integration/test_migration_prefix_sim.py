@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 
+import grpc
 import pytest
 from service_auth import authenticated_channel
 from waiting import wait_until
@@ -39,7 +40,11 @@ async def test_a_migrated_requests_blocks_are_reported_by_its_destination(sim_pa
         body = {"model": "sim", "prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True}
         call = llumlet_pb2_grpc.LlumletStub(channel).Generate(pb.GenerateRequest(
             request_id="moving", endpoint=pb.ENDPOINT_COMPLETION, body_json=json.dumps(body)))
-        first = await call.read()  # the first chunk: it runs on A
+        generated: list[int] = []
+        while len(generated) <= 16:  # a full generated block, so one moves with the prompt's
+            message = await call.read()
+            assert message is not grpc.aio.EOF and message.HasField("chunk"), message
+            generated += message.chunk.token_ids
         await wait_until(lambda: index.cached_blocks(hashes) == {"prefix-mig-0": 4},
                          "A's report of the request's prompt blocks")
         result = await migration_pb2_grpc.LlumletMigrationStub(channel).MigrateOut(mpb.MigrateOutRequest(
@@ -49,7 +54,6 @@ async def test_a_migrated_requests_blocks_are_reported_by_its_destination(sim_pa
         assert result.migrated_tokens > len(PROMPT) + 16  # a generated block moved too
         await wait_until(lambda: index.cached_blocks(hashes) == {"prefix-mig-0": 4, "prefix-mig-1": 4},
                          "B's report of the migrated request's blocks (and A's of its freed ones)")
-        generated = list(first.chunk.token_ids)
         async for message in call:  # what A generated, up to the move
             if message.HasField("moved"):
                 break
