@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--high-priority-fraction", type=float, default=0.0, metavar="F")
     parser.add_argument(
-        "--chunked-prefill", type=int, nargs="?", const=512, default=0, metavar="TOKENS",
+        "--chunked-prefill", type=int, nargs="?", const=512, default=None, metavar="TOKENS",
         help="vLLM's chunked prefill, TOKENS per iteration (default 512, vLLM v0's), instead of the "
         "paper's prefill-first scheduler; applies to --experiment runs too",
     )
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.chunked_prefill < 0:
+        if args.chunked_prefill is not None and args.chunked_prefill < 1:
             raise ValueError("--chunked-prefill takes a positive token budget")
         if args.experiment:
             return _run_experiment(args)
@@ -143,7 +143,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
             seed=args.seed,
             high_priority_fraction=args.high_priority_fraction,
             profile=args.profile,
-            chunked_prefill_tokens=args.chunked_prefill,
+            chunked_prefill_tokens=args.chunked_prefill or 0,
             queue_passing=args.queue_passing,
             autoscaling=_autoscaling(args),
         )
@@ -190,7 +190,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         profile=args.profile,
         jobs=args.jobs,
         rate_scale=args.rate_scale,
-        chunked_prefill_tokens=args.chunked_prefill,
+        chunked_prefill_tokens=args.chunked_prefill or 0,
     )
     print(report.read_text(encoding="utf-8"))
     print(f"wrote {report} and its plots")

@@ -68,7 +68,7 @@ class Cluster:
             prefix_caching=config.prefix_caching,
             queue_passing=config.queue_passing,
         )
-        capacity = (self.engine.total_blocks - self.engine.watermark_blocks) * profile.block_size
+        capacity = self.engine.admission_blocks * profile.block_size
         too_long = [t for t in trace if t.prompt_tokens + t.output_tokens > capacity]
         if too_long:
             raise ValueError(

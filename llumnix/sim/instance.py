@@ -59,6 +59,12 @@ class EngineConfig:
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.total_blocks)
 
+    @property
+    def admission_blocks(self) -> int:
+        """The blocks a request can be admitted into: all but the watermark the engine keeps free
+        when admitting (decodes may still grow into it)."""
+        return self.total_blocks - self.watermark_blocks
+
 
 class SimInstance:
     """One engine. Block accounting: `free_blocks` are neither allocated to a request nor reserved
@@ -125,10 +131,9 @@ class SimInstance:
 
     @property
     def admission_blocks(self) -> int:
-        """The blocks a request can be admitted into: all but the watermark the engine keeps free
-        when admitting (decodes may still grow into it). The instance reports these as its memory,
-        so that dispatch and migration see the room the engine gives a new request."""
-        return self.total_blocks - self.config.watermark_blocks
+        """The instance reports the engine's admission blocks as its memory, so that dispatch and
+        migration see the room the engine gives a new request."""
+        return self.config.admission_blocks
 
     @property
     def admission_free_blocks(self) -> int:

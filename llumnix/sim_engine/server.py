@@ -88,12 +88,9 @@ def build_engine(
         prefix_caching=config.prefix_caching,
     )
     # A sequence of the maximum length must fit the pool above the admission watermark.
-    usable_tokens = (num_blocks - engine_config.watermark_blocks) * block_size
+    usable_tokens = engine_config.admission_blocks * block_size
     max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, usable_tokens)
-    if (
-        max_model_len < 1
-        or math.ceil(max_model_len / block_size) > num_blocks - engine_config.watermark_blocks
-    ):
+    if max_model_len < 1 or math.ceil(max_model_len / block_size) > engine_config.admission_blocks:
         raise ValueError(
             f"--max-model-len {max_model_len} does not fit the KV cache: {num_blocks} blocks of {block_size} "
             f"tokens leave {usable_tokens} tokens above the 1% admission watermark; lower --max-model-len "

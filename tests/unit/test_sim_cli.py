@@ -68,6 +68,8 @@ def test_an_experiment_runs_on_chunked_prefill_when_asked(tmp_path: Path) -> Non
     assert reports[True][3:] != reports[False][3:]
 
 
-def test_a_negative_chunked_prefill_budget_is_a_message(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(["--chunked-prefill", "-1", "--requests", "10"]) == 2
+@pytest.mark.parametrize("budget", ["-1", "0"])
+def test_a_chunked_prefill_budget_below_one_token_is_a_message(budget: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--chunked-prefill", budget, "--requests", "10"]) == 2
     assert "--chunked-prefill takes a positive token budget" in capsys.readouterr().err
