@@ -1,7 +1,8 @@
 """Metrics of one simulated run (paper §6.1): latencies, preemption loss, fragmentation, cost.
 
 - prefill latency: first token - arrival; decode latency: mean time per generated token after the
-  first (requests with one output token have none); end-to-end: finish - arrival. Mean and P99.
+  first (requests with one output token have none); end-to-end: finish - arrival. Mean and P99
+  (prefill also its maximum and its tail mean: the mean of the slowest 1%).
 - preemption loss: time between a preemption and the end of the recompute that resumes the request
   (extra queuing plus recompute), summed per request and averaged over all requests.
 - fragmentation (§6.3): at each sample, the part of the cluster's free memory that could serve the
@@ -24,6 +25,7 @@ SUMMARY_KEYS = (
     "prefill_mean",
     "prefill_p99",
     "prefill_max",
+    "prefill_tail_mean",
     "decode_mean",
     "decode_p99",
     "e2e_mean",
@@ -87,6 +89,11 @@ class SimResult:
         return stats
 
 
+TAIL_FRACTION = 0.01
+"""The share of requests, the slowest, whose mean prefill is the tail mean: what the P99 cuts off,
+weighed rather than picked at one rank."""
+
+
 def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
     """Latency statistics over finished requests (an empty selection gives zeros)."""
     done = [r for r in requests if r.finish_time >= 0]
@@ -97,6 +104,7 @@ def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
                 "prefill_mean",
                 "prefill_p99",
                 "prefill_max",
+                "prefill_tail_mean",
                 "decode_mean",
                 "decode_p99",
                 "e2e_mean",
@@ -112,10 +120,12 @@ def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
     e2e = finish - arrival
     multi = outputs > 1
     decode = (finish[multi] - first[multi]) / (outputs[multi] - 1)
+    slowest = np.sort(prefill)[-max(1, round(TAIL_FRACTION * len(prefill))):]
     return {
         "prefill_mean": float(prefill.mean()),
         "prefill_p99": float(np.percentile(prefill, 99)),
         "prefill_max": float(prefill.max()),
+        "prefill_tail_mean": float(slowest.mean()),
         "decode_mean": float(decode.mean()) if decode.size else 0.0,
         "decode_p99": float(np.percentile(decode, 99)) if decode.size else 0.0,
         "e2e_mean": float(e2e.mean()),

@@ -52,11 +52,13 @@ def test_every_request_finishes_once_and_no_block_leaks(audited: Counter[str], p
     assert result.summary()["finished"] == len(trace)
 
 
-def test_the_summary_reports_the_slowest_prefill_beside_the_p99() -> None:
+def test_the_summary_reports_the_slowest_prefill_and_the_tail_mean_beside_the_p99() -> None:
     result = Cluster(heavy_trace(), system("round-robin"), PROFILE, instances=4).run()
     summary = result.summary()
     prefills = sorted(r.first_token_time - r.arrival_time for r in result.requests)
     assert summary["prefill_max"] == pytest.approx(prefills[-1])
+    slowest = prefills[-max(1, round(len(prefills) / 100)):]
+    assert summary["prefill_tail_mean"] == pytest.approx(sum(slowest) / len(slowest))
     assert summary["prefill_p99"] < summary["prefill_max"]
 
 
