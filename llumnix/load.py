@@ -54,7 +54,8 @@ class InstanceLoad:
     instance_id: str
     total_blocks: int
     """The blocks requests can be admitted into: an engine that keeps some free when it admits a
-    prompt (vLLM v0's 1% watermark) leaves those out, so that no policy counts them as room."""
+    prompt (vLLM v0's 1% watermark, vLLM 0.32's `--watermark`) leaves those out, so that no policy
+    counts them as room."""
     free_blocks: int
     block_size: int = 16
     running: tuple[RequestLoad, ...] = ()

@@ -95,11 +95,14 @@ class LoadTelemetry:
             RequestStatus.RUNNING,
             RequestStatus.PREEMPTED,
         )
+        # vLLM admits a waiting request only while its `--watermark` share of the blocks stays free
+        # (none by default); the load offers the room above it, as the simulator's instances do.
+        watermark = self._manager.watermark_blocks
         state = EngineState(
             timestamp=time.time(),
             # vLLM reserves one block (the null block); its own usage metric leaves it out too.
-            total_blocks=pool.num_gpu_blocks - 1,
-            free_blocks=pool.get_num_free_blocks(),
+            total_blocks=pool.num_gpu_blocks - 1 - watermark,
+            free_blocks=max(0, pool.get_num_free_blocks() - watermark),
             preemptions_total=self._preemptions_total,
             requests=rows,
         )
