@@ -15,6 +15,7 @@ from pathlib import Path
 from llumnix.policies.autoscaling import AutoscalingConfig
 from llumnix.profile import DEFAULT_PROFILE
 from llumnix.sim.experiments import EXPERIMENTS, run_experiment
+from llumnix.sim.instance import DEFAULT_WATERMARK
 from llumnix.sim.metrics import class_summaries
 from llumnix.sim.runner import RunSpec, simulate_with_bar
 from llumnix.sim.systems import SYSTEMS
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "paper's prefill-first scheduler; applies to --experiment runs too",
     )
     parser.add_argument(
+        "--watermark", type=float, default=DEFAULT_WATERMARK, metavar="F",
+        help="share of an engine's blocks kept free when admitting a prompt (default 0.01, vLLM v0's; "
+        "vLLM 0.32 keeps none unless started with --watermark); applies to --experiment runs too",
+    )
+    parser.add_argument(
         "--queue-passing", action="store_true",
         help="a what-if engine (not vLLM): a queued request that fits is admitted past one ahead of it "
         "that does not (vLLM admits from the queue's head only)",
@@ -104,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.chunked_prefill is not None and args.chunked_prefill < 1:
             raise ValueError("--chunked-prefill takes a positive token budget")
+        if not 0 <= args.watermark < 1:
+            raise ValueError("--watermark is a share of the blocks, at least 0 and below 1")
         if args.experiment:
             return _run_experiment(args)
         return _run_comparison(args)
@@ -144,6 +152,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
             high_priority_fraction=args.high_priority_fraction,
             profile=args.profile,
             chunked_prefill_tokens=args.chunked_prefill or 0,
+            watermark=args.watermark,
             queue_passing=args.queue_passing,
             autoscaling=_autoscaling(args),
         )
@@ -191,6 +200,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         rate_scale=args.rate_scale,
         chunked_prefill_tokens=args.chunked_prefill or 0,
+        watermark=args.watermark,
     )
     print(report.read_text(encoding="utf-8"))
     print(f"wrote {report} and its plots")

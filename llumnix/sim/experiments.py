@@ -16,6 +16,7 @@ import numpy as np
 
 from llumnix.policies.autoscaling import AutoscalingConfig
 from llumnix.profile import DEFAULT_PROFILE, load_profile
+from llumnix.sim.instance import DEFAULT_WATERMARK
 from llumnix.sim.metrics import MISPLACED_BLOCKS, SimResult, class_summaries, prefix_dispatch_stats
 from llumnix.sim.report import line_grid, markdown_table, ratio_heat_map, time_series
 from llumnix.sim.runner import RunSpec, simulate_many
@@ -626,11 +627,13 @@ def run_experiment(
     jobs: int = 1,
     rate_scale: float = 1.0,
     chunked_prefill_tokens: int = 0,
+    watermark: float = DEFAULT_WATERMARK,
 ) -> Path:
     """Run a preset, write `report.md` and its PNGs into `out`; return the report's path.
 
     `rate_scale` multiplies every run's rate: the same preset at a lighter or heavier load.
-    `chunked_prefill_tokens` > 0: every engine chunks prefills (the preset on vLLM's chunked prefill)."""
+    `chunked_prefill_tokens` > 0: every engine chunks prefills (the preset on vLLM's chunked prefill).
+    `watermark`: the share of its blocks every engine keeps free when admitting a prompt."""
     experiment = EXPERIMENTS[name]
     count = requests or experiment.default_requests
     if count < 1:
@@ -638,7 +641,8 @@ def run_experiment(
     if rate_scale <= 0:
         raise ValueError("--rate-scale must be positive")
     specs: Sequence[RunSpec] = [
-        replace(spec, rate=spec.rate * rate_scale, chunked_prefill_tokens=chunked_prefill_tokens)
+        replace(spec, rate=spec.rate * rate_scale, chunked_prefill_tokens=chunked_prefill_tokens,
+                watermark=watermark)
         for spec in experiment.specs(count, seed, profile)
     ]
     results = simulate_many(specs, jobs=jobs, description=name)
@@ -649,6 +653,8 @@ def run_experiment(
         command += f" --rate-scale {rate_scale:g}"
     if chunked_prefill_tokens:
         command += f" --chunked-prefill {chunked_prefill_tokens}"
+    if watermark != DEFAULT_WATERMARK:
+        command += f" --watermark {watermark:g}"
     text = "\n\n".join([f"# {name}: {experiment.title}", f"`{command}`", *sections]) + "\n"
     report = out / "report.md"
     report.write_text(text, encoding="utf-8")

@@ -39,14 +39,18 @@ IterationTime = Callable[[int, int, int, int], float]
 -> seconds (`LatencyProfile.iteration_time`)."""
 
 
+DEFAULT_WATERMARK = 0.01
+"""vLLM v0's admission watermark, the paper's engine (vLLM 0.32 keeps none unless told)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     total_blocks: int
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    watermark: float = 0.01
-    """Fraction of the blocks kept free when admitting a prefill (vLLM's default)."""
+    watermark: float = DEFAULT_WATERMARK
+    """Fraction of the blocks kept free when admitting a prefill."""
     chunked_prefill_tokens: int = 0
     """Token budget of a chunked-prefill iteration (vLLM v0's default with chunking on: 512);
     0: prefill-first, no chunking."""

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from llumnix.policies.autoscaling import AutoscalingConfig
 from llumnix.profile import DEFAULT_PROFILE, load_profile
 from llumnix.sim.cluster import Cluster, Progress
+from llumnix.sim.instance import DEFAULT_WATERMARK
 from llumnix.sim.metrics import SimResult
 from llumnix.sim.systems import SimConfig, system
 from llumnix.traces import generate_trace
@@ -31,6 +32,8 @@ class RunSpec:
     profile: str = DEFAULT_PROFILE
     chunked_prefill_tokens: int = 0
     """Engines' chunked-prefill token budget; 0: prefill-first (the paper's vLLM)."""
+    watermark: float = DEFAULT_WATERMARK
+    """Share of the blocks engines keep free when admitting a prompt."""
     queue_passing: bool = False
     autoscaling: AutoscalingConfig | None = None
     label: str = ""
@@ -48,7 +51,7 @@ def simulate(spec: RunSpec, progress: Progress | None = None) -> SimResult:
         high_priority_fraction=spec.high_priority_fraction,
     )
     config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill_tokens=spec.chunked_prefill_tokens,
-                       queue_passing=spec.queue_passing)
+                       watermark=spec.watermark, queue_passing=spec.queue_passing)
     cluster = Cluster(trace, system(spec.policy), profile, spec.instances, config, seed=spec.seed)
     return cluster.run(progress)
 

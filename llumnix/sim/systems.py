@@ -12,6 +12,7 @@ from llumnix.load import DEFAULT_LOAD_MODEL, LoadModelConfig
 from llumnix.policies.autoscaling import AutoscalingConfig
 from llumnix.policies.dispatch import DEFAULT_PREFIX_WEIGHT
 from llumnix.policies.migration import MigrationConfig
+from llumnix.sim.instance import DEFAULT_WATERMARK
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class SimConfig:
     """Engines admit a queued request that fits past one that does not (`EngineConfig.queue_passing`)."""
     prefix_caching: bool = True
     """Instances keep a prefix cache (vLLM's default). Only traces with shared content hit it."""
-    watermark: float = 0.01
+    watermark: float = DEFAULT_WATERMARK
+    """Share of the blocks engines keep free when admitting a prompt (`EngineConfig.watermark`)."""
     load_model: LoadModelConfig = DEFAULT_LOAD_MODEL
     dispatch_top_k: int = 1

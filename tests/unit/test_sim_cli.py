@@ -55,16 +55,17 @@ def test_experiment_needs_an_output_folder(capsys: pytest.CaptureFixture[str]) -
     assert "--out" in capsys.readouterr().err
 
 
-def test_an_experiment_runs_on_chunked_prefill_when_asked(tmp_path: Path) -> None:
-    """The preset's engines chunk their prefills (the figures differ from prefill-first) and the
-    report's command says so, so that it reproduces the run."""
+@pytest.mark.parametrize("flags", [["--chunked-prefill", "256"], ["--watermark", "0.2"]])
+def test_an_experiment_runs_on_the_engine_asked_for(tmp_path: Path, flags: list[str]) -> None:
+    """The preset's engines chunk their prefills or keep another watermark (the figures differ from
+    the default engine's) and the report's command says so, so that it reproduces the run."""
     reports = {}
-    for flags in ([], ["--chunked-prefill", "256"]):
-        out = tmp_path / ("chunked" if flags else "prefill-first")
-        assert run(["--experiment", "fig13", "--requests", "100", "--out", str(out), *flags]) == 0
-        reports[bool(flags)] = (out / "report.md").read_text().splitlines()
-    assert reports[True][2].endswith("--chunked-prefill 256`")
-    assert "--chunked-prefill" not in reports[False][2]
+    for engine_flags in ([], flags):
+        out = tmp_path / ("asked" if engine_flags else "default")
+        assert run(["--experiment", "fig13", "--requests", "100", "--out", str(out), *engine_flags]) == 0
+        reports[bool(engine_flags)] = (out / "report.md").read_text().splitlines()
+    assert reports[True][2].endswith(f"{' '.join(flags)}`")
+    assert flags[0] not in reports[False][2]
     assert reports[True][3:] != reports[False][3:]
 
 
@@ -73,3 +74,9 @@ def test_a_chunked_prefill_budget_below_one_token_is_a_message(budget: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--chunked-prefill", budget, "--requests", "10"]) == 2
     assert "--chunked-prefill takes a positive token budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("share", ["-0.1", "1"])
+def test_a_watermark_outside_the_blocks_is_a_message(share: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--watermark", share, "--requests", "10"]) == 2
+    assert "--watermark is a share of the blocks" in capsys.readouterr().err
