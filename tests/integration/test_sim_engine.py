@@ -89,23 +89,23 @@ async def _started(work: Path, name: str, *flags: str) -> SimEngine:
 
 
 # The captured vLLM ran with these limits; a fast clock keeps every test short.
-TINY_FLAGS = (
-    "--model",
-    "tiny",
-    "--max-model-len",
-    "512",
-    "--block-size",
-    "32",
-    "--num-blocks",
-    "64",
-    "--time-scale",
-    "20",
-)
+TINY_LIMITS = ("--model", "tiny", "--max-model-len", "512", "--block-size", "32", "--num-blocks", "64")
+TINY_FLAGS = (*TINY_LIMITS, "--time-scale", "20")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SimEngine]:
     started = await _started(tmp_path_factory.mktemp("sim-engine"), "tiny", *TINY_FLAGS)
+    yield started
+    assert started.stop() == 0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def real_time_engine(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SimEngine]:
+    """The tiny engine at the profile's own speed (a decode step of about 26 ms, not 1.3 ms): a request
+    that runs while a test acts on it lasts seconds, however slowly the test acts."""
+    started = await _started(tmp_path_factory.mktemp("sim-engine-real-time"), "tiny-real-time", *TINY_LIMITS,
+                             "--time-scale", "1")
     yield started
     assert started.stop() == 0
 
@@ -346,6 +346,8 @@ async def test_snapshots_follow_every_step_with_exact_block_accounting(engine: S
 async def test_a_small_block_pool_queues_and_preempts_without_changing_tokens(
     engine: SimEngine, tmp_path: Path
 ) -> None:
+    # At a quarter of the fast clock: the four requests (sent together) overlap, and so compete for
+    # the 40 blocks, however slowly the test sends them (each ran about 0.25 s at 20x).
     small = await _started(
         tmp_path,
         "small",
@@ -358,7 +360,7 @@ async def test_a_small_block_pool_queues_and_preempts_without_changing_tokens(
         "--max-model-len",
         "512",
         "--time-scale",
-        "20",
+        "5",
     )
     try:
         log = _SnapshotLog(small.snapshot_addr)
@@ -447,7 +449,10 @@ async def _wait_idle(engine: SimEngine, timeout_s: float = 5.0) -> EngineSnapsho
 
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_client_that_disconnects_frees_its_blocks(engine: SimEngine, stream: bool) -> None:
+async def test_a_client_that_disconnects_frees_its_blocks(real_time_engine: SimEngine, stream: bool) -> None:
+    # Still running when the client goes away, however far behind the engine's snapshots the test
+    # reads: its 312 tokens (what the context leaves) take about 8 s here, 0.4 s on the fast engine.
+    engine = real_time_engine
     body = {"prompt": [5] * 200, "max_tokens": 480, "stream": stream}
     async with aiohttp.ClientSession() as session:
         async with session.get(engine.url + "/metrics") as response:
