@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from llumnix.sim.experiments import ROBUSTNESS_SYSTEMS, _robustness_reason, _robustness_report
 from llumnix.sim.runner import RunSpec, simulate
 
@@ -25,6 +27,13 @@ def test_each_point_shows_the_slowest_prefill_beside_the_p99_and_its_verdict(tmp
     assert cells["verdict"] == "holds" or {miss.split(" (")[0] for miss in cells["verdict"].split(", ")} <= {
         "p99>infaas++", "p99>nomig", "e2e>infaas++"}
     assert (tmp_path / "robustness.png").exists()
+    totals = next(line for line in lines if line.startswith("|  |")).splitlines()
+    assert totals[0] == "|  | llumnix | infaas++ | llumnix-nomig |"
+    sums = dict(zip(ROBUSTNESS_SYSTEMS, (float(c) for c in totals[3].strip("|").split("|")[1:]), strict=True))
+    assert sums == {p: float(f"{summaries[p]['prefill_p99']:.3g}") for p in ROBUSTNESS_SYSTEMS}
+    ratios = [float(c) for c in totals[4].strip("|").split("|")[1:]]
+    assert ratios[1] == 1 and ratios[0] == pytest.approx(
+        summaries["llumnix"]["prefill_p99"] / summaries["infaas++"]["prefill_p99"], rel=0.005)
 
 
 def summary(p99: float, slowest: float, e2e: float, tail: float | None = None) -> dict[str, float]:
