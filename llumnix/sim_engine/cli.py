@@ -12,6 +12,7 @@ import socket
 
 from llumnix.engine.snapshots import SNAPSHOT_ADDR_ENV
 from llumnix.profile import DEFAULT_PROFILE, bundled_profiles
+from llumnix.sim.instance import DEFAULT_WATERMARK
 from llumnix.sim_engine.migration import DEFAULT_KV_BYTES_PER_BLOCK
 from llumnix.sim_engine.server import SimEngineConfig, SimEngineServer
 
@@ -105,6 +106,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whose leading blocks are cached skips their prefill, and the snapshots report the cached blocks "
         "(default: off)",
     )
+    parser.add_argument(
+        "--watermark",
+        type=float,
+        default=DEFAULT_WATERMARK,
+        metavar="F",
+        help="as vLLM's: the share of the blocks kept free when admitting a prompt (default: %(default)s, "
+        "vLLM v0's; vLLM 0.32 keeps none unless told)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -130,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         priority_scheduling=args.scheduling_policy == "priority",
         kv_bytes_per_block=args.kv_bytes_per_block,
         prefix_caching=args.enable_prefix_caching,
+        watermark=args.watermark,
     )
     try:
         server = SimEngineServer(config)

@@ -21,7 +21,7 @@ from llumnix.engine.snapshots import SnapshotPublisher
 from llumnix.openai_request import add_openai_routes
 from llumnix.openai_stream import EndpointKind
 from llumnix.profile import load_profile
-from llumnix.sim.instance import EngineConfig, SimInstance
+from llumnix.sim.instance import DEFAULT_WATERMARK, EngineConfig, SimInstance
 from llumnix.sim_engine.engine import Generation, SimEngine
 from llumnix.sim_engine.metrics import EngineMetrics
 from llumnix.sim_engine.migration import DEFAULT_KV_BYTES_PER_BLOCK, SimMigrationAgent
@@ -60,6 +60,9 @@ class SimEngineConfig:
     """Size of the fake KV payload per block that migrations send."""
     prefix_caching: bool = False
     """vLLM's automatic prefix caching (blocks by content hash, reported in the snapshots)."""
+    watermark: float = DEFAULT_WATERMARK
+    """Share of the blocks kept free when admitting a prompt (vLLM v0's 1%; vLLM 0.32's `--watermark`
+    is 0 unless set)."""
 
 
 def _dumps(body: Any) -> str:
@@ -80,21 +83,24 @@ def build_engine(
     num_blocks = config.num_blocks or profile.kv_capacity_tokens // block_size
     if block_size < 1 or num_blocks < 1:
         raise ValueError("--block-size and --num-blocks must be positive")
+    if not 0 <= config.watermark < 1:
+        raise ValueError("--watermark is a share of the blocks, at least 0 and below 1")
     engine_config = EngineConfig(
         total_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=config.max_num_seqs or profile.max_num_seqs,
         max_num_batched_tokens=profile.max_num_batched_tokens,
         prefix_caching=config.prefix_caching,
+        watermark=config.watermark,
     )
     # A sequence of the maximum length must fit the pool above the admission watermark.
     usable_tokens = engine_config.admission_blocks * block_size
     max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, usable_tokens)
     if max_model_len < 1 or math.ceil(max_model_len / block_size) > engine_config.admission_blocks:
         raise ValueError(
-            f"--max-model-len {max_model_len} does not fit the KV cache: {num_blocks} blocks of {block_size} "
-            f"tokens leave {usable_tokens} tokens above the 1% admission watermark; lower --max-model-len "
-            "or raise --num-blocks"
+            f"--max-model-len {max_model_len} does not fit the KV cache: {num_blocks} blocks of "
+            f"{block_size} tokens leave {usable_tokens} tokens above the {config.watermark:.0%} admission "
+            "watermark; lower --max-model-len or raise --num-blocks"
         )
     instance = SimInstance(config.engine_id, engine_config, profile.iteration_time)
     engine = SimEngine(
