@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--watermark", type=float, default=DEFAULT_WATERMARK, metavar="F",
-        help="share of an engine's blocks kept free when admitting a prompt (default 0.01, vLLM v0's; "
+        help="share of an engine's blocks kept free when admitting a prompt (default %(default)s, vLLM v0's; "
         "vLLM 0.32 keeps none unless started with --watermark); applies to --experiment runs too",
     )
     parser.add_argument(
