@@ -110,8 +110,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.chunked_prefill is not None and args.chunked_prefill < 1:
             raise ValueError("--chunked-prefill takes a positive token budget")
-        if not 0 <= args.watermark < 1:
-            raise ValueError("--watermark is a share of the blocks, at least 0 and below 1")
         if args.experiment:
             return _run_experiment(args)
         return _run_comparison(args)

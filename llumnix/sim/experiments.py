@@ -397,40 +397,54 @@ def _robustness_specs(requests: int, seed: int, profile: str) -> list[RunSpec]:
     ]
 
 
+def _p99_above_infaas(system: dict, infaas: dict) -> bool:
+    return system["prefill_p99"] > infaas["prefill_p99"] + TIE_S
+
+
+def _p99_above_nomig(ours: dict, nomig: dict) -> bool:
+    return ours["prefill_p99"] > max(1.05 * nomig["prefill_p99"], nomig["prefill_p99"] + TIE_S)
+
+
+def _e2e_above_infaas(system: dict, infaas: dict) -> bool:
+    return system["e2e_mean"] > 1.02 * infaas["e2e_mean"]
+
+
 def _robustness_verdicts(ours: dict, infaas: dict, nomig: dict) -> list[str]:
     """The targets a point misses: P99 prefill <= INFaaS++'s and <= 1.05x llumnix-nomig's (a
     difference within TIE_S is a tie), e2e mean <= 1.02x INFaaS++'s."""
-    misses = []
-    p99 = ours["prefill_p99"]
-    if p99 > infaas["prefill_p99"] + TIE_S:
-        misses.append("p99>infaas++")
-    if p99 > max(1.05 * nomig["prefill_p99"], nomig["prefill_p99"] + TIE_S):
-        misses.append("p99>nomig")
-    if ours["e2e_mean"] > 1.02 * infaas["e2e_mean"]:
-        misses.append("e2e>infaas++")
-    return misses
+    checks = {"p99>infaas++": _p99_above_infaas(ours, infaas), "p99>nomig": _p99_above_nomig(ours, nomig),
+              "e2e>infaas++": _e2e_above_infaas(ours, infaas)}
+    return [miss for miss, missed in checks.items() if missed]
 
 
 def _robustness_reason(miss: str, ours: dict, infaas: dict, nomig: dict) -> str:
-    """The miss with its reason where the point's own numbers show one: a P99 above nomig's with a
-    lighter tail (the slowest 1% wait less on average) or a lower slowest prefill is a wait shared
-    rather than concentrated on a few starved requests (docs/reproduction.md, "Who waits"); a miss
-    nomig has too comes from dispatch, not migration (unless migration made the P99 worse still)."""
-    if miss == "p99>nomig" and ours["prefill_tail_mean"] < nomig["prefill_tail_mean"]:
-        return (f"{miss} (tail lighter: the slowest 1% wait {ours['prefill_tail_mean']:.3g} s on average"
-                f" against nomig's {nomig['prefill_tail_mean']:.3g} s)")
-    if miss == "p99>nomig" and ours["prefill_max"] < nomig["prefill_max"]:
-        return (f"{miss} (wait shared: slowest {ours['prefill_max']:.3g} s against nomig's"
-                f" {nomig['prefill_max']:.3g} s)")
-    if miss == "p99>infaas++" and nomig["prefill_p99"] > infaas["prefill_p99"] + TIE_S \
-            and "p99>nomig" not in _robustness_verdicts(ours, infaas, nomig):
-        return f"{miss} (dispatch: nomig's {nomig['prefill_p99']:.3g} s too)"
-    if miss == "p99>infaas++" and ours["prefill_tail_mean"] < infaas["prefill_tail_mean"]:
-        return (f"{miss} (tail lighter: the slowest 1% wait {ours['prefill_tail_mean']:.3g} s on average"
-                f" against infaas++'s {infaas['prefill_tail_mean']:.3g} s)")
-    if miss == "e2e>infaas++" and nomig["e2e_mean"] > 1.02 * infaas["e2e_mean"]:
-        return f"{miss} (dispatch: nomig's {nomig['e2e_mean']:.3g} s too)"
-    return miss
+    """The miss with its reason where the point's own numbers show one: a P99 above a baseline's with
+    a lighter tail (the slowest 1% wait less on average), or above nomig's with a lower slowest
+    prefill, is a wait shared rather than concentrated on a few starved requests (docs/reproduction.md,
+    "Who waits"); a miss nomig has too comes from dispatch, not migration (unless migration made the
+    P99 worse still)."""
+    if miss == "p99>nomig":
+        reason = _lighter_tail(ours, nomig, "nomig")
+        if reason is None and ours["prefill_max"] < nomig["prefill_max"]:
+            reason = (f"wait shared: slowest {ours['prefill_max']:.3g} s against nomig's"
+                      f" {nomig['prefill_max']:.3g} s")
+    elif miss == "p99>infaas++":
+        if _p99_above_infaas(nomig, infaas) and not _p99_above_nomig(ours, nomig):
+            reason = f"dispatch: nomig's {nomig['prefill_p99']:.3g} s too"
+        else:
+            reason = _lighter_tail(ours, infaas, "infaas++")
+    elif _e2e_above_infaas(nomig, infaas):
+        reason = f"dispatch: nomig's {nomig['e2e_mean']:.3g} s too"
+    else:
+        reason = None
+    return miss if reason is None else f"{miss} ({reason})"
+
+
+def _lighter_tail(ours: dict, baseline: dict, name: str) -> str | None:
+    if ours["prefill_tail_mean"] >= baseline["prefill_tail_mean"]:
+        return None
+    return (f"tail lighter: the slowest 1% wait {ours['prefill_tail_mean']:.3g} s on average"
+            f" against {name}'s {baseline['prefill_tail_mean']:.3g} s")
 
 
 def _robustness_totals(points: Sequence[dict[str, dict]]) -> str:

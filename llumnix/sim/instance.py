@@ -59,6 +59,12 @@ class EngineConfig:
     """A what-if engine: requests behind a queued request that does not fit are admitted when they
     fit (vLLM admits from the head only, so a large head blocks its whole queue)."""
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.watermark < 1:
+            raise ValueError(
+                f"the watermark is a share of the blocks, at least 0 and below 1, not {self.watermark}"
+            )
+
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.total_blocks)

@@ -83,8 +83,6 @@ def build_engine(
     num_blocks = config.num_blocks or profile.kv_capacity_tokens // block_size
     if block_size < 1 or num_blocks < 1:
         raise ValueError("--block-size and --num-blocks must be positive")
-    if not 0 <= config.watermark < 1:
-        raise ValueError("--watermark is a share of the blocks, at least 0 and below 1")
     engine_config = EngineConfig(
         total_blocks=num_blocks,
         block_size=block_size,

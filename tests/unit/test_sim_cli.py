@@ -79,4 +79,4 @@ def test_a_chunked_prefill_budget_below_one_token_is_a_message(budget: str,
 @pytest.mark.parametrize("share", ["-0.1", "1"])
 def test_a_watermark_outside_the_blocks_is_a_message(share: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["--watermark", share, "--requests", "10"]) == 2
-    assert "--watermark is a share of the blocks" in capsys.readouterr().err
+    assert "watermark is a share of the blocks, at least 0 and below 1, not" in capsys.readouterr().err

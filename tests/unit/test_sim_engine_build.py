@@ -20,7 +20,7 @@ def test_the_snapshot_leaves_out_the_watermark_the_engine_keeps(watermark: float
 
 @pytest.mark.parametrize("watermark", [-0.01, 1.0])
 def test_a_watermark_outside_the_blocks_is_a_message(watermark: float) -> None:
-    with pytest.raises(ValueError, match="--watermark is a share of the blocks"):
+    with pytest.raises(ValueError, match="watermark is a share of the blocks"):
         build_engine(SimEngineConfig(num_blocks=100, block_size=16, watermark=watermark), None)
 
 
