@@ -57,6 +57,9 @@ class MigrationConfig:
         return cls(freeness_threshold, bound, select, max_concurrent_per_instance)
 
 
+DEFAULT_MIGRATION = MigrationConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class MigrationPair:
     source: str

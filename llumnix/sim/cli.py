@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.migration import DEFAULT_MIGRATION, SELECT_POLICIES, MigrationConfig
 from llumnix.profile import DEFAULT_PROFILE
 from llumnix.sim.experiments import EXPERIMENTS, run_experiment
 from llumnix.sim.instance import DEFAULT_WATERMARK
@@ -81,6 +82,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a what-if engine (not vLLM): a queued request that fits is admitted past one ahead of it "
         "that does not (vLLM admits from the queue's head only)",
     )
+    migration = parser.add_argument_group(
+        "migration", "the rule of every system that migrates (docs/simulator.md, \"The migration rule\")")
+    migration.add_argument(
+        "--migration-threshold", type=float, default=DEFAULT_MIGRATION.freeness_threshold, metavar="F",
+        help="an instance whose freeness (free blocks per batched request) is below F is a migration "
+        "source (default %(default)s); destinations stay at or above the larger of F and "
+        f"{DEFAULT_MIGRATION.destination_freeness:g}; applies to --experiment runs too",
+    )
+    migration.add_argument(
+        "--migration-select", choices=SELECT_POLICIES, default=DEFAULT_MIGRATION.select,
+        help="which running request a source moves: the latest admitted, the shortest or the longest "
+        "(default %(default)s); applies to --experiment runs too",
+    )
     scaling = parser.add_argument_group("autoscaling")
     scaling.add_argument("--autoscale", action="store_true", help="scale by aggregate freeness")
     defaults = AutoscalingConfig()
@@ -118,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _migration(args: argparse.Namespace) -> MigrationConfig:
+    if not args.migration_threshold >= 0:  # also refuses nan
+        raise ValueError("--migration-threshold takes a freeness of 0 or more")
+    return MigrationConfig.with_threshold(args.migration_threshold, args.migration_select)
+
+
 def _autoscaling(args: argparse.Namespace) -> AutoscalingConfig | None:
     if not args.autoscale:
         return None
@@ -152,6 +172,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
             chunked_prefill_tokens=args.chunked_prefill or 0,
             watermark=args.watermark,
             queue_passing=args.queue_passing,
+            migration=_migration(args),
             autoscaling=_autoscaling(args),
         )
         result = simulate_with_bar(spec, policy)
@@ -199,6 +220,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         rate_scale=args.rate_scale,
         chunked_prefill_tokens=args.chunked_prefill or 0,
         watermark=args.watermark,
+        migration=_migration(args),
     )
     print(report.read_text(encoding="utf-8"))
     print(f"wrote {report} and its plots")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.migration import DEFAULT_MIGRATION, MigrationConfig
 from llumnix.profile import DEFAULT_PROFILE, load_profile
 from llumnix.sim.instance import DEFAULT_WATERMARK
 from llumnix.sim.metrics import MISPLACED_BLOCKS, SimResult, class_summaries, prefix_dispatch_stats
@@ -667,12 +668,14 @@ def run_experiment(
     rate_scale: float = 1.0,
     chunked_prefill_tokens: int = 0,
     watermark: float = DEFAULT_WATERMARK,
+    migration: MigrationConfig = DEFAULT_MIGRATION,
 ) -> Path:
     """Run a preset, write `report.md` and its PNGs into `out`; return the report's path.
 
     `rate_scale` multiplies every run's rate: the same preset at a lighter or heavier load.
     `chunked_prefill_tokens` > 0: every engine chunks prefills (the preset on vLLM's chunked prefill).
-    `watermark`: the share of its blocks every engine keeps free when admitting a prompt."""
+    `watermark`: the share of its blocks every engine keeps free when admitting a prompt.
+    `migration`: the migration rule of every system that migrates."""
     experiment = EXPERIMENTS[name]
     count = requests or experiment.default_requests
     if count < 1:
@@ -681,7 +684,7 @@ def run_experiment(
         raise ValueError("--rate-scale must be positive")
     specs: Sequence[RunSpec] = [
         replace(spec, rate=spec.rate * rate_scale, chunked_prefill_tokens=chunked_prefill_tokens,
-                watermark=watermark)
+                watermark=watermark, migration=migration)
         for spec in experiment.specs(count, seed, profile)
     ]
     results = simulate_many(specs, jobs=jobs, description=name)
@@ -694,6 +697,10 @@ def run_experiment(
         command += f" --chunked-prefill {chunked_prefill_tokens}"
     if watermark != DEFAULT_WATERMARK:
         command += f" --watermark {watermark:g}"
+    if migration.select != DEFAULT_MIGRATION.select:
+        command += f" --migration-select {migration.select}"
+    if migration.freeness_threshold != DEFAULT_MIGRATION.freeness_threshold:
+        command += f" --migration-threshold {migration.freeness_threshold:g}"
     text = "\n\n".join([f"# {name}: {experiment.title}", f"`{command}`", *sections]) + "\n"
     report = out / "report.md"
     report.write_text(text, encoding="utf-8")

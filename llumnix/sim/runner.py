@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from llumnix.policies.autoscaling import AutoscalingConfig
+from llumnix.policies.migration import MigrationConfig
 from llumnix.profile import DEFAULT_PROFILE, load_profile
 from llumnix.sim.cluster import Cluster, Progress
 from llumnix.sim.instance import DEFAULT_WATERMARK
@@ -35,6 +36,8 @@ class RunSpec:
     watermark: float = DEFAULT_WATERMARK
     """Share of the blocks engines keep free when admitting a prompt."""
     queue_passing: bool = False
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    """The migration rule of the systems that migrate (sources, destinations, the request moved)."""
     autoscaling: AutoscalingConfig | None = None
     label: str = ""
     """What the run stands for in a report (e.g. the swept value)."""
@@ -51,7 +54,7 @@ def simulate(spec: RunSpec, progress: Progress | None = None) -> SimResult:
         high_priority_fraction=spec.high_priority_fraction,
     )
     config = SimConfig(autoscaling=spec.autoscaling, chunked_prefill_tokens=spec.chunked_prefill_tokens,
-                       watermark=spec.watermark, queue_passing=spec.queue_passing)
+                       watermark=spec.watermark, queue_passing=spec.queue_passing, migration=spec.migration)
     cluster = Cluster(trace, system(spec.policy), profile, spec.instances, config, seed=spec.seed)
     return cluster.run(progress)
 
