@@ -21,7 +21,7 @@ import numpy as np
 
 from llumnix.sim.request import SimRequest
 
-SUMMARY_KEYS = (
+LATENCY_KEYS = (
     "prefill_mean",
     "prefill_p99",
     "prefill_max",
@@ -31,11 +31,9 @@ SUMMARY_KEYS = (
     "e2e_mean",
     "e2e_p99",
     "preemption_loss",
-    "fragmentation_mean",
-    "avg_instances",
-    "migrations",
-    "finished",
 )
+"""What `latency_summary` gives for a selection of requests (with `finished`)."""
+SUMMARY_KEYS = (*LATENCY_KEYS, "fragmentation_mean", "avg_instances", "migrations", "finished")
 
 
 def fragmented_blocks(free_blocks: int, blocked_demands: Sequence[int]) -> int:
@@ -98,20 +96,7 @@ def latency_summary(requests: Sequence[SimRequest]) -> dict[str, float | int]:
     """Latency statistics over finished requests (an empty selection gives zeros)."""
     done = [r for r in requests if r.finish_time >= 0]
     if not done:
-        return {
-            key: 0.0
-            for key in (
-                "prefill_mean",
-                "prefill_p99",
-                "prefill_max",
-                "prefill_tail_mean",
-                "decode_mean",
-                "decode_p99",
-                "e2e_mean",
-                "e2e_p99",
-                "preemption_loss",
-            )
-        } | {"finished": 0}
+        return dict.fromkeys(LATENCY_KEYS, 0.0) | {"finished": 0}
     arrival = np.array([r.arrival_time for r in done])
     first = np.array([r.first_token_time for r in done])
     finish = np.array([r.finish_time for r in done])

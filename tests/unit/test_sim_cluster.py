@@ -12,6 +12,7 @@ from llumnix.policies.autoscaling import AutoscalingConfig
 from llumnix.profile import load_profile
 from llumnix.sim.cluster import Cluster
 from llumnix.sim.instance import SimInstance
+from llumnix.sim.metrics import LATENCY_KEYS, latency_summary
 from llumnix.sim.systems import SimConfig, system
 from llumnix.traces import TraceRequest, generate_trace
 
@@ -60,6 +61,13 @@ def test_the_summary_reports_the_slowest_prefill_and_the_tail_mean_beside_the_p9
     slowest = prefills[-max(1, round(len(prefills) / 100)):]
     assert summary["prefill_tail_mean"] == pytest.approx(sum(slowest) / len(slowest))
     assert summary["prefill_p99"] < summary["prefill_max"]
+
+
+def test_a_selection_without_finished_requests_has_the_same_keys_as_one_with_them() -> None:
+    result = Cluster(heavy_trace(), system("round-robin"), PROFILE, instances=4).run()
+    empty = latency_summary([])
+    assert set(empty) == set(latency_summary(result.requests)) == {*LATENCY_KEYS, "finished"}
+    assert set(empty.values()) == {0}
 
 
 def test_memory_pressure_preempts_and_the_loss_is_accounted() -> None:
