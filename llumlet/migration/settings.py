@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llumnix.policies.migration import SELECT_POLICIES, MigrationConfig
+from llumnix.policies.migration import DEFAULT_MIGRATION, SELECT_POLICIES, MigrationConfig
 
 TRANSPORTS = ("auto", "tcp", "gloo", "nccl")
 
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
-    max_concurrent: int = MigrationConfig().max_concurrent_per_instance
+    max_concurrent: int = DEFAULT_MIGRATION.max_concurrent_per_instance
     """Migrations this instance takes part in at once (in and out together)."""
-    select: str = MigrationConfig().select
+    select: str = DEFAULT_MIGRATION.select
     """Which request MigrateOut moves when it is not named (MIGRATION_SELECT_UNSPECIFIED)."""
-    freeness_threshold: float = MigrationConfig().freeness_threshold
+    freeness_threshold: float = DEFAULT_MIGRATION.freeness_threshold
     """A destination takes a request only if its freeness stays at or above this afterwards."""
     max_stages: int = 8
     """Stages before the final one at most (0: one blocking copy)."""

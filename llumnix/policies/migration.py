@@ -118,7 +118,7 @@ def with_held_requests(loads: Sequence[InstanceLoad], held_tokens: Sequence[int]
 
 def pair_migrations(
     loads: Sequence[InstanceLoad],
-    config: MigrationConfig = MigrationConfig(),
+    config: MigrationConfig = DEFAULT_MIGRATION,
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
 ) -> list[MigrationPair]:
     """Pair overloaded instances (most loaded first) with the freest ones, one pair each."""
@@ -168,7 +168,7 @@ def fits(request: RequestLoad, destination: InstanceLoad) -> bool:
 def admits(
     request: RequestLoad,
     destination: InstanceLoad,
-    config: MigrationConfig = MigrationConfig(),
+    config: MigrationConfig = DEFAULT_MIGRATION,
     model: LoadModelConfig = DEFAULT_LOAD_MODEL,
 ) -> bool:
     """Whether the destination should take `request`: it `fits`, and the destination's freeness with

@@ -157,6 +157,7 @@ def _run_comparison(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
     if args.requests is not None and args.requests < 1:
         raise ValueError("--requests must be at least 1")
+    migration, autoscaling = _migration(args), _autoscaling(args)
     results: dict[str, dict] = {}
     for policy in policies:
         spec = RunSpec(
@@ -172,8 +173,8 @@ def _run_comparison(args: argparse.Namespace) -> int:
             chunked_prefill_tokens=args.chunked_prefill or 0,
             watermark=args.watermark,
             queue_passing=args.queue_passing,
-            migration=_migration(args),
-            autoscaling=_autoscaling(args),
+            migration=migration,
+            autoscaling=autoscaling,
         )
         result = simulate_with_bar(spec, policy)
         summary = result.summary()

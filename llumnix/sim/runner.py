@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from llumnix.policies.autoscaling import AutoscalingConfig
-from llumnix.policies.migration import MigrationConfig
+from llumnix.policies.migration import DEFAULT_MIGRATION, MigrationConfig
 from llumnix.profile import DEFAULT_PROFILE, load_profile
 from llumnix.sim.cluster import Cluster, Progress
 from llumnix.sim.instance import DEFAULT_WATERMARK
@@ -36,7 +36,7 @@ class RunSpec:
     watermark: float = DEFAULT_WATERMARK
     """Share of the blocks engines keep free when admitting a prompt."""
     queue_passing: bool = False
-    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    migration: MigrationConfig = DEFAULT_MIGRATION
     """The migration rule of the systems that migrate (sources, destinations, the request moved)."""
     autoscaling: AutoscalingConfig | None = None
     label: str = ""
