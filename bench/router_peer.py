@@ -14,6 +14,9 @@ serve`, random prompts of `--input-len` tokens, `--output-len` tokens each with 
 in turn at each concurrency, in a rotating order so drift hits them alike. Prints one table row per
 path and concurrency with its ratio to the engine, writes the results as JSON and, with `--plot`, a
 PNG of throughput and TTFT against concurrency (one line per path).
+With the cores shared it then prints the CPU budget: the machine's µs per output token on each path (cores
+/ throughput, the client's share included: exact where every core is busy, as at saturation) and what a
+path may add to the engine's and still make 90% of it.
 
 With `--split-cores` the engine and the client run on the first half of the machine's cores and every
 hop (the llumlet, the routers, the peer) on the rest, as in production, where the router runs in pods
@@ -186,6 +189,36 @@ def print_table(rows: list[dict[str, object]]) -> None:
               f"{row['itl_ratio']:>5.2f} {row['failed']:>6}  {cpu}", flush=True)
 
 
+TARGET_RATIO = 0.9
+"""The data path's target: at least this share of the engine's own throughput."""
+
+
+def cpu_budget(rows: list[dict[str, object]], cores: int) -> list[dict[str, object]]:
+    """Per concurrency, the CPU a path may add per output token and still make `TARGET_RATIO` of the
+    engine, and what each path added. With every core busy (cores shared, at saturation) a path makes
+    `cores` CPU-seconds per second over what it spends per token, so the machine's µs per token is
+    cores / throughput, the client's share included; where the cores are not all busy this is an upper
+    bound and the budget says nothing."""
+    budget = []
+    for concurrency in dict.fromkeys(int(r["concurrency"]) for r in rows):  # type: ignore[call-overload]
+        mine = {str(r["path"]): cores * 1e6 / float(r["output_throughput"])  # type: ignore[arg-type]
+                for r in rows if r["concurrency"] == concurrency}
+        direct = mine["engine"]
+        budget.append({"concurrency": concurrency, "engine_us_per_token": direct,
+                       "hops_may_add_us": direct / TARGET_RATIO - direct,
+                       "added_us": {name: us - direct for name, us in mine.items() if name != "engine"}})
+    return budget
+
+
+def print_budget(budget: list[dict[str, object]]) -> None:
+    print(f"\nCPU budget (cores / throughput; holds where every core is busy): at {TARGET_RATIO:.0%} of the "
+          f"engine a path may add")
+    for row in budget:
+        added = " ".join(f"{name}={us:+.0f}" for name, us in row["added_us"].items())  # type: ignore[attr-defined]
+        print(f"  c={row['concurrency']:<4} engine {row['engine_us_per_token']:.1f} us per output token; "
+              f"the hops may add {row['hops_may_add_us']:.1f} us; added: {added}", flush=True)
+
+
 def plot(rows: list[dict[str, object]], out: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -283,6 +316,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="router-peer-") as tmp:
         rows = asyncio.run(bench(args, Path(tmp)))
     print_table(rows)
+    if not args.split_cores:  # split, the hops' CPU is not taken from the engine: no shared budget
+        print_budget(cpu_budget(rows, len(os.sched_getaffinity(0))))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.plot:
