@@ -9,10 +9,10 @@ merged over the messages read at once (`merge_updates`), so none is lost between
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import zmq
-import zmq.asyncio
 
 from llumnix.engine.prefix_cache_report import merge_updates
 from llumnix.v1.engine_pb2 import EngineSnapshot
@@ -49,10 +49,14 @@ class SnapshotPublisher:
 
 
 class SnapshotSubscriber:
-    """llumlet side (asyncio). `receive` returns the newest snapshot, or None after `timeout_s`."""
+    """llumlet side (asyncio). `receive` returns the newest snapshot, or None after `timeout_s`.
+
+    It waits on the socket's file descriptor in the running loop and reads what is queued without
+    blocking: pyzmq's asyncio socket builds a poller, futures and an exception for every read, which
+    cost the llumlet more CPU than the snapshots themselves at an engine's step rate."""
 
     def __init__(self, addr: str) -> None:
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.RCVHWM, 1000)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -61,15 +65,15 @@ class SnapshotSubscriber:
         self.addr = addr
 
     async def receive(self, timeout_s: float) -> EngineSnapshot | None:
-        if not await self._sock.poll(timeout=int(timeout_s * 1000)):
+        payloads = self._queued()
+        if not payloads and await self._readable(timeout_s):
+            payloads = self._queued()
+        if not payloads:
             return None
-        snapshot = self._parse(await self._sock.recv())
-        # Drain to the newest, carrying the prefix-cache changes of the ones it supersedes.
-        while True:
-            try:
-                newer = self._parse(self._sock.recv(zmq.NOBLOCK).result())
-            except zmq.Again:
-                break
+        snapshot = self._parse(payloads[0])
+        # The newest wins, carrying the prefix-cache changes of the ones it supersedes.
+        for payload in payloads[1:]:
+            newer = self._parse(payload)
             if snapshot.HasField("prefix_cache") and snapshot.engine_id == newer.engine_id:
                 if newer.HasField("prefix_cache"):
                     newer.prefix_cache.CopyFrom(merge_updates(snapshot.prefix_cache, newer.prefix_cache))
@@ -77,6 +81,34 @@ class SnapshotSubscriber:
                     newer.prefix_cache.CopyFrom(snapshot.prefix_cache)
             snapshot = newer
         return snapshot
+
+    def _queued(self) -> list[bytes]:
+        """Every message queued now, oldest first, without blocking."""
+        payloads = []
+        with contextlib.suppress(zmq.Again):
+            while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                payloads.append(self._sock.recv(zmq.NOBLOCK))
+        return payloads
+
+    async def _readable(self, timeout_s: float) -> bool:
+        """Waits until a message is queued (True) or `timeout_s` passed (False). ZeroMQ's descriptor
+        only says that the socket's state may have changed, so each wake-up asks the socket again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        fd = self._sock.getsockopt(zmq.FD)
+        while not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            woken: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, _wake, woken)
+            timer = loop.call_later(remaining, _wake, woken)
+            try:
+                await woken
+            finally:
+                loop.remove_reader(fd)
+                timer.cancel()
+        return True
 
     @staticmethod
     def _parse(payload: bytes) -> EngineSnapshot:
@@ -89,3 +121,8 @@ class SnapshotSubscriber:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -4,7 +4,6 @@ import time
 
 import pytest
 import zmq
-import zmq.asyncio
 
 from llumnix.engine.snapshots import SnapshotPublisher, SnapshotSubscriber
 from llumnix.v1.engine_pb2 import EngineSnapshot
@@ -37,8 +36,7 @@ async def test_receive_skips_to_the_newest_snapshot() -> None:
     backlog has crossed the socket; over inproc (same ZeroMQ context as the subscriber's) a message is
     in the subscriber's queue once `send` returns, so the backlog is all there before the read."""
     addr = "inproc://llumnix-test-snapshots"
-    shared = zmq.Context.shadow(zmq.asyncio.Context.instance().underlying)
-    publisher = shared.socket(zmq.PUB)
+    publisher = zmq.Context.instance().socket(zmq.PUB)
     publisher.setsockopt(zmq.LINGER, 0)
     publisher.bind(addr)
     subscriber = SnapshotSubscriber(addr)
