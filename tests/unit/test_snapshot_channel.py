@@ -1,5 +1,6 @@
 """The engine -> llumlet snapshot channel: newest snapshot wins, unknown schemas are refused."""
 
+import asyncio
 import time
 
 import pytest
@@ -73,3 +74,18 @@ async def test_unknown_schema_is_refused(channel) -> None:
     publisher.publish(EngineSnapshot(schema_version=99, step=1))
     with pytest.raises(ValueError, match="schema 99"):
         await subscriber.receive(5.0)
+
+
+async def test_a_waiting_receive_wakes_on_the_snapshot_not_its_timeout(channel) -> None:
+    """The reader waits on the socket's descriptor: a snapshot published while it waits ends the wait.
+    Without the wake-up it would still return the snapshot, but only once its 30 s timeout ran out."""
+    publisher, subscriber = channel
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.create_task(subscriber.receive(30.0))
+    await asyncio.sleep(0)  # the task runs until it waits: nothing is queued yet
+    assert not waiting.done()
+    started = loop.time()
+    publisher.publish(EngineSnapshot(schema_version=1, step=7))
+    snapshot = await asyncio.wait_for(waiting, 60)
+    assert snapshot is not None and snapshot.step == 7
+    assert loop.time() - started < 20, "the wait ended by its timeout, not by the snapshot"
