@@ -31,6 +31,8 @@ ALLOWED: dict[str, str] = {
         "fake engine: paces the events of a stream that never ends by itself",
     "tests/unit/test_bench_gpu_check.py:test_a_batch_is_read_until_every_stream_decoded_together.completions":
         "fake engine: sleep(0) yields to the loop between tokens (no time involved)",
+    "tests/unit/test_snapshot_channel.py:test_a_waiting_receive_wakes_on_the_snapshot_not_its_timeout":
+        "sleep(0) yields once so the receive parks before the publish (no time involved)",
     "tests/unit/test_migration_destination.py:_slow_engine.completions":
         "fake engine: paces its tokens after the first one (the first waits for an event the test sets)",
     "tests/integration/test_router_failures.py:MovingLlumlet.WatchLoad":
